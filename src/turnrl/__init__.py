@@ -1,0 +1,1 @@
+"""turnrl: RL for multi-turn, tool-using language-model agents."""

@@ -1,0 +1,86 @@
+"""The seams between layers, as small structural protocols.
+
+An environment, a backend, a task source and a tool-call format are each one protocol
+here; implementations live in their own layers and tests use fakes of the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from turnrl.types import (
+    Completion,
+    GenerationRequest,
+    Message,
+    StepResult,
+    Task,
+    ToolCall,
+)
+
+ToolSchema = dict[str, Any]
+"""A tool's description in the OpenAI function format:
+``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A multi-turn environment (async, because tools do I/O). One instance per episode.
+
+    ``reset`` returns the opening messages; ``step`` takes the model's text for one turn.
+    ``tool_schemas`` lists the tools for chat templates that render them (empty if none).
+    """
+
+    async def reset(self, task: Task, seed: int) -> list[Message]: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+    def tool_schemas(self) -> list[ToolSchema]: ...
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+    """Tasks addressed by position, so a run's data position is one integer (resumable)."""
+
+    def task(self, index: int, split: str = "train") -> Task: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A generation engine: a batch of requests in, one completion per request out."""
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]: ...
+
+
+@dataclass(frozen=True)
+class ParsedAction:
+    """What a format found in one model turn.
+
+    ``tool_calls`` to run, or an ``answer`` (final text), or ``errors``: precise messages
+    that are shown to the model as an observation when the turn could not be understood.
+    """
+
+    tool_calls: tuple[ToolCall, ...] = ()
+    answer: str | None = None
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+
+@runtime_checkable
+class Format(Protocol):
+    """How tools appear in the prompt, how calls are parsed, how results are shown.
+
+    ``template_tools``: True if the tokenizer's chat template renders the tool list (the
+    schemas are passed as ``tools=``); otherwise ``system_prompt`` returns the text.
+    """
+
+    name: str
+    template_tools: bool
+
+    def system_prompt(self, tools: Sequence[ToolSchema]) -> str: ...
+
+    def render_call(self, call: ToolCall) -> str: ...
+
+    def parse(self, text: str) -> ParsedAction: ...
+
+    def render_results(self, results: Sequence[tuple[ToolCall, str]]) -> list[Message]: ...
