@@ -1,0 +1,50 @@
+"""A backend that emits chosen text through a real tokenizer: a test double and a teacher.
+
+Tests use it to drive real environments and chat templates with known tokens; the
+syntax warm-up uses it to produce demonstration traces through the same rollout code that
+RL uses, so demonstrations are token-exact in exactly the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from turnrl.types import Completion, FinishReason, GenerationRequest
+
+
+class ScriptedBackend:
+    """Replies to successive requests with successive scripted texts.
+
+    Each reply is the text's token ids followed by ``end_token_id`` (the model "stops"), cut
+    to the request's ``max_new_tokens`` (then the finish reason is ``length``). Log-probs are
+    0.0: the script is deterministic. Every request is kept in ``requests`` for inspection.
+    """
+
+    def __init__(self, tokenizer: Any, texts: Iterable[str], *, end_token_id: int | None = None):
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+        self.end_token_id = (
+            end_token_id if end_token_id is not None else int(tokenizer.eos_token_id)
+        )
+        self.requests: list[GenerationRequest] = []
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        return [self._reply(r) for r in requests]
+
+    def _reply(self, request: GenerationRequest) -> Completion:
+        index = len(self.requests)
+        self.requests.append(request)
+        if index >= len(self.texts):
+            raise IndexError(f"scripted backend ran out of texts after {len(self.texts)} replies")
+        ids = [*self.tokenizer.encode(self.texts[index], add_special_tokens=False)]
+        ids.append(self.end_token_id)
+        finish: FinishReason = "stop"
+        if len(ids) > request.max_new_tokens:
+            ids, finish = ids[: request.max_new_tokens], "length"
+        return Completion(
+            token_ids=tuple(ids),
+            logprobs=tuple(0.0 for _ in ids),
+            finish_reason=finish,
+            text=self.tokenizer.decode(ids, skip_special_tokens=False),
+        )

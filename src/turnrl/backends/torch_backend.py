@@ -1,0 +1,175 @@
+"""A batched sampler for a Hugging Face causal LM, in torch, with a KV cache.
+
+One ``generate`` call takes a batch of requests from many episodes (left-padded into one
+tensor), prefills them in one forward pass, then decodes one token per step for all rows
+with the cache. Each request has its own seed, so a sample does not depend on which other
+requests shared its batch. Log-probabilities are those of the distribution each token was
+drawn from (temperature applied, before top-p), which is what the learner recomputes.
+
+Not here: continuous batching and prefix reuse across turns (a later engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from turnrl.types import Completion, FinishReason, GenerationRequest
+
+
+class TorchBackend:
+    """Samples from a causal LM held in this process (CPU or one GPU).
+
+    ``model`` is shared with the learner in the single-process loop: weight sync is free,
+    and ``policy_version`` is bumped by the trainer after each optimizer step.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int = 256) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.policy_version = 0
+        pad = tokenizer.pad_token_id
+        self.pad_id: int = int(pad if pad is not None else tokenizer.eos_token_id)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._lock = threading.Lock()
+
+    def _stop_strings(
+        self, requests: Sequence[GenerationRequest], tokens: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows whose recent text contains one of their stop strings."""
+        hits = torch.zeros(len(requests), dtype=torch.bool, device=tokens.device)
+        for i, r in enumerate(requests):
+            if r.stop_strings:
+                n = int(lengths[i])
+                tail = self.tokenizer.decode(tokens[i, max(0, n - 16) : n].tolist())
+                hits[i] = any(s in tail for s in r.stop_strings)
+        return hits
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        """Sample every request; runs the torch work in a thread so tools keep running."""
+        return await asyncio.to_thread(self.generate_sync, requests)
+
+    def generate_sync(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        out: list[Completion] = []
+        with self._lock:
+            for start in range(0, len(requests), self.max_batch_size):
+                out.extend(self._generate_batch(requests[start : start + self.max_batch_size]))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        if not requests:
+            return []
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._decode(requests, device)
+        finally:
+            self.model.train(was_training)
+
+    def _decode(self, requests: Sequence[GenerationRequest], device: torch.device) -> list[Completion]:
+        B = len(requests)
+        lengths = [len(r.prompt_ids) for r in requests]
+        if min(lengths) == 0:
+            raise ValueError("a generation request has an empty prompt")
+        L = max(lengths)
+        # Left padding: every row's last prompt token sits at column L-1.
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for i, r in enumerate(requests):
+            input_ids[i, L - lengths[i] :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            attn[i, L - lengths[i] :] = 1
+        input_ids, attn = input_ids.to(device), attn.to(device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+
+        # Each request draws its uniforms from its own seed: a sample does not depend on
+        # which other requests share the batch. Inverse-CDF sampling, vectorised over rows.
+        budgets = torch.tensor([max(0, r.max_new_tokens) for r in requests])
+        max_new = int(budgets.max())
+        uniforms = torch.stack(
+            [torch.rand(max_new, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
+        ).to(device)
+        temps = torch.tensor([r.temperature for r in requests], device=device)[:, None]
+        top_ps = torch.tensor([r.top_p for r in requests], device=device)[:, None]
+        stop_table = torch.zeros((B, self.vocab_size), dtype=torch.bool, device=device)
+        for i, r in enumerate(requests):
+            stop_table[i, [t for t in r.stop_token_ids if 0 <= t < self.vocab_size]] = True
+        out_tokens = torch.full((B, max_new), self.pad_id, dtype=torch.long, device=device)
+        out_logps = torch.zeros((B, max_new), device=device)
+        lengths_out = torch.zeros(B, dtype=torch.long, device=device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        live = budgets.to(device) > 0
+        rows = torch.arange(B, device=device)
+
+        out = self.model(
+            input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True
+        )
+        past = out.past_key_values
+        next_pos = positions[:, -1:] + 1
+        for step in range(max_new):
+            logits = out.logits[:, -1, :].float()
+            tok, logp = _sample(logits, temps, top_ps, uniforms[:, step])
+            tok = torch.where(live, tok, self.pad_id)
+            out_tokens[:, step] = tok
+            out_logps[:, step] = torch.where(live, logp, 0.0)
+            lengths_out += live.long()
+            hit_stop = live & stop_table[rows, tok]
+            if any(r.stop_strings for r in requests):
+                hit_stop |= live & self._stop_strings(requests, out_tokens, lengths_out)
+            stopped |= hit_stop
+            live = live & ~hit_stop & (lengths_out < budgets.to(device))
+            if not bool(live.any()):
+                break
+            attn = torch.cat([attn, live[:, None].long()], dim=1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=next_pos,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = out.past_key_values
+            next_pos = next_pos + 1
+
+        n_out = lengths_out.tolist()
+        tokens = [out_tokens[i, : n_out[i]].tolist() for i in range(B)]
+        logps = [out_logps[i, : n_out[i]].tolist() for i in range(B)]
+        finish: list[FinishReason] = ["stop" if s else "length" for s in stopped.tolist()]
+        return [
+            Completion(
+                token_ids=tuple(tokens[i]),
+                logprobs=tuple(logps[i]),
+                finish_reason=finish[i],
+                text=self.tokenizer.decode(tokens[i], skip_special_tokens=False),
+            )
+            for i in range(B)
+        ]
+
+
+def _sample(
+    logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [B, V] by inverse CDF with uniforms ``u`` [B].
+
+    Returns the tokens and their log-probs under the temperature-scaled distribution
+    (before top-p truncation). Temperature 0 is greedy; its log-prob is at temperature 1.
+    """
+    greedy = temps <= 0.0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps), dim=-1)
+    probs = logprobs.exp()
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps
+    sorted_p = torch.where(keep, sorted_p, 0.0)
+    cdf = sorted_p.cumsum(-1)
+    target = (u[:, None] * cdf[:, -1:]).clamp(max=cdf[:, -1:] * (1 - 1e-7))
+    pick = torch.searchsorted(cdf, target).clamp(max=logits.shape[-1] - 1)
+    tok = order.gather(-1, pick).squeeze(-1)
+    tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), tok)
+    return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)

@@ -1,0 +1,125 @@
+"""The ``turnrl`` command line: train, build a tiny model, list environments, report.
+
+Errors turnrl raises on purpose (bad config, missing model, ...) print one clear line and
+exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from turnrl.errors import TurnrlError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        result: int = args.run(args)
+        return result
+    except TurnrlError as exc:
+        print(f"turnrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turnrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+
+    train = sub.add_parser("train", help="train a policy with RL (default: the quick-start)")
+    train.add_argument("recipe", nargs="?", default=None, help="recipe name or .toml path")
+    train.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. --set rollout.group_size=8 (repeatable)",
+    )  # fmt: skip
+    train.add_argument("--out", type=Path, default=None, help="run directory (runs/<name>)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=_train)
+
+    init = sub.add_parser("init-model", help="build a tiny model and tokenizer locally")
+    init.add_argument("out", type=Path)
+    init.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    init.add_argument("--hidden-size", type=int, default=128)
+    init.add_argument("--num-layers", type=int, default=4)
+    init.add_argument("--num-heads", type=int, default=4)
+    init.add_argument("--vocab-size", type=int, default=2048)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--env", default="secret_lookup", help="add this env's text to the tokenizer corpus")
+    init.add_argument("--overwrite", action="store_true")
+    init.set_defaults(run=_init_model)
+
+    envs = sub.add_parser("envs", help="list registered environments")
+    envs.add_argument("action", choices=["list"])
+    envs.set_defaults(run=_envs)
+
+    report = sub.add_parser("report", help="(re)write report.html of a run directory")
+    report.add_argument("run_dir", type=Path)
+    report.set_defaults(run=_report)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from turnrl.report import write_report
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    config = load_config(args.recipe, args.overrides)
+    run_dir = args.out or Path("runs") / config.name
+    print(f"turnrl: run directory {run_dir}")
+    t0 = time.perf_counter()
+    result = train(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    report = write_report(run_dir)
+    rows = [r for r in result.rows if "eval/success_mean" in r]
+    if rows:
+        first, last = rows[0], rows[-1]
+        print(
+            f"turnrl: held-out success {first['eval/success_mean']:.2f} (step {first['step']}) "
+            f"-> {last['eval/success_mean']:.2f} (step {last['step']})"
+        )
+    print(f"turnrl: done in {time.perf_counter() - t0:.0f} s")
+    print(f"turnrl: metrics      {run_dir / 'metrics.jsonl'}")
+    print(f"turnrl: trajectories {run_dir / 'trajectories.jsonl'}")
+    print(f"turnrl: curves       {run_dir / 'learning_curve.png'}")
+    print(f"turnrl: report       {report}")
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from turnrl.envs import make_env_spec
+    from turnrl.models import TinyModelConfig, build_tiny_model
+
+    config = TinyModelConfig(
+        arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_heads=args.num_heads, vocab_size=args.vocab_size, seed=args.seed,
+    )  # fmt: skip
+    corpus = make_env_spec(args.env).corpus() if args.env else []
+    path = build_tiny_model(args.out, config, extra_corpus=corpus, overwrite=args.overwrite)
+    print(f"turnrl: tiny model written to {path}")
+    return 0
+
+
+def _envs(args: argparse.Namespace) -> int:
+    from turnrl.envs import ENVIRONMENTS
+
+    for name, cls in sorted(ENVIRONMENTS.items()):
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        print(f"{name:20s} {doc}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from turnrl.report import write_report
+
+    print(write_report(args.run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

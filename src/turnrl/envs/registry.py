@@ -1,0 +1,44 @@
+"""Environments by name: what ``turnrl train``'s config and ``turnrl envs`` look up."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Protocol
+
+from turnrl.envs.secret_lookup import SecretLookup
+from turnrl.errors import ConfigError
+from turnrl.protocols import Env
+from turnrl.types import Task
+
+
+class EnvSpec(Protocol):
+    """A named environment family: tasks by index, fresh env per episode, a format teacher."""
+
+    name: str
+
+    def task(self, index: int, split: str = "train") -> Task: ...
+
+    def make_env(self) -> Env: ...
+
+    def demonstration(self, task: Task, rng: random.Random) -> list[str]: ...
+
+    def corpus(self) -> list[str]: ...
+
+
+ENVIRONMENTS: dict[str, type[Any]] = {"secret_lookup": SecretLookup}
+
+
+def make_env_spec(name: str, **options: Any) -> EnvSpec:
+    """Build the named environment family with ``options`` (its dataclass fields)."""
+    if name not in ENVIRONMENTS:
+        raise ConfigError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+    cls = ENVIRONMENTS[name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {unknown} for environment {name!r}; known: {sorted(known)}"
+        )
+    spec: EnvSpec = cls(**options)
+    return spec

@@ -1,0 +1,89 @@
+"""``ToolEnv``: the common environment shape: a task, some tools, a call format, a verifier.
+
+Each model turn is parsed by the format. Tool calls run and their results come back as
+the observation; a turn the format cannot parse comes back as a precise error observation
+(the model reads it and may fix its call); a turn with no call is the final answer, which
+the verifier scores, ending the episode. A tool that raises, times out or does not exist
+is an observation too (DESIGN.md invariant 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from turnrl.formats import error_observation
+from turnrl.protocols import Format, ToolSchema
+from turnrl.rewards import Verdict
+from turnrl.tools import ToolSet
+from turnrl.types import Message, StepResult, Task, ToolCall, ToolCallRecord
+
+Verifier = Callable[[Task, str], Verdict]
+
+
+class ToolEnv:
+    """A multi-turn tool-use episode. Make one instance per episode.
+
+    ``tools`` is a ToolSet, or a function building one from the task (tools that close over
+    per-task state). ``max_tool_calls`` bounds calls per episode; beyond it a call gets an
+    error observation instead of running.
+    """
+
+    def __init__(
+        self,
+        tools: ToolSet | Callable[[Task], ToolSet],
+        format: Format,
+        verifier: Verifier,
+        *,
+        system_prompt: str | None = None,
+        max_tool_calls: int | None = None,
+    ) -> None:
+        self._tools_for = tools if callable(tools) else (lambda _task: tools)
+        self.format = format
+        self.verifier = verifier
+        self.system_prompt = system_prompt
+        self.max_tool_calls = max_tool_calls
+        self.task: Task | None = None
+        self.tools = ToolSet([])
+        self.num_tool_calls = 0
+
+    def tool_schemas(self) -> list[ToolSchema]:
+        return self.tools.schemas() if self.format.template_tools else []
+
+    async def reset(self, task: Task, seed: int) -> list[Message]:
+        self.task = task
+        self.tools = self._tools_for(task)
+        self.num_tool_calls = 0
+        system = self.system_prompt or ""
+        if not self.format.template_tools and self.tools.names:
+            system = "\n\n".join(s for s in (system, self.format.system_prompt(self.tools.schemas())) if s)
+        head: list[Message] = [{"role": "system", "content": system}] if system else []
+        return head + [dict(m) for m in task.prompt]
+
+    async def step(self, action: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("step() called before reset()")
+        parsed = self.format.parse(action)
+        if parsed.errors:
+            return StepResult(observation=tuple(error_observation(parsed.errors)), info={"format_error": True})
+        if parsed.tool_calls:
+            return await self._run_calls(parsed.tool_calls)
+        verdict = self.verifier(self.task, parsed.answer or "")
+        info: dict[str, Any] = {"success": verdict.success, "reward_components": verdict.components}
+        return StepResult(reward=verdict.reward, terminated=True, info=info)
+
+    async def _run_calls(self, calls: tuple[ToolCall, ...]) -> StepResult:
+        results: list[tuple[ToolCall, str]] = []
+        records: list[ToolCallRecord] = []
+        for call in calls:
+            if self.max_tool_calls is not None and self.num_tool_calls >= self.max_tool_calls:
+                text = f"Error: tool budget exhausted ({self.max_tool_calls} calls per episode); answer now."
+                records.append(ToolCallRecord(call.name, dict(call.arguments), 0.0, False, "budget"))
+            else:
+                result, record = await self.tools.run(call)
+                text = result.content if result.ok else f"Error: {result.error}"
+                records.append(record)
+            self.num_tool_calls += 1
+            results.append((call, text))
+        observation = tuple(self.format.render_results(results))
+        return StepResult(observation=observation, info={"tool_calls": records})

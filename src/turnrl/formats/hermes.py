@@ -1,0 +1,136 @@
+"""The hermes/Qwen tool-call format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+Qwen2.5 and Hermes-style chat templates render the tool list themselves, so
+``system_prompt`` is only a fallback for templates that cannot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from turnrl.protocols import ParsedAction, ToolSchema
+from turnrl.types import Message, ToolCall
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+_WHITESPACE = " \t\n\r"
+_DECODER = json.JSONDecoder()
+_JSON_KINDS: dict[type, str] = {str: "string", bool: "boolean", int: "number", float: "number"}
+
+
+class HermesFormat:
+    """Several ``<tool_call>`` blocks per turn; a turn without any is the final answer."""
+
+    name: str = "hermes"
+    template_tools: bool = True
+
+    def system_prompt(self, tools: Sequence[ToolSchema]) -> str:
+        """The Qwen2.5 template's tool section, for templates that cannot render tools."""
+        if not tools:
+            return ""
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listing}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+            "</tool_call>"
+        )
+
+    def render_call(self, call: ToolCall) -> str:
+        body = {"name": call.name, "arguments": dict(call.arguments)}
+        return f"{OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{CLOSE}"
+
+    def parse(self, text: str) -> ParsedAction:
+        """Every call in the turn, or the answer, or all errors (never a partial set).
+
+        A block is read as JSON first, so a ``</tool_call>`` inside a JSON string is data,
+        not the end of the block. Never raises.
+        """
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        pos = 0
+        index = 0
+        seen_tag = False
+        while True:
+            start, close = text.find(OPEN, pos), text.find(CLOSE, pos)
+            if start < 0 and close < 0:
+                break
+            seen_tag = True
+            if close >= 0 and (start < 0 or close < start):
+                errors.append(f"{CLOSE} without an opening {OPEN}")
+                pos = close + len(CLOSE)
+                continue
+            index += 1
+            body_start = start + len(OPEN)
+            obj, end = _decode(text, body_start)
+            if end is not None and text.startswith(CLOSE, end):
+                pos = end + len(CLOSE)
+                result = _to_call(obj, index)
+                if isinstance(result, ToolCall):
+                    calls.append(result)
+                else:
+                    errors.append(result)
+                continue
+            # No clean JSON-then-close: the block ends at the next close tag, if any.
+            close = text.find(CLOSE, body_start)
+            reopen = text.find(OPEN, body_start)
+            if close < 0 or 0 <= reopen < close:
+                errors.append(f"unclosed {OPEN} tag")
+                if close < 0:
+                    break
+                pos = reopen
+                continue
+            errors.append(f"tool call {index}: {_json_problem(text[body_start:close])}")
+            pos = close + len(CLOSE)
+        if errors:
+            return ParsedAction(errors=tuple(errors))
+        if not seen_tag:
+            return ParsedAction(answer=text.strip())
+        return ParsedAction(tool_calls=tuple(calls))
+
+    def render_results(self, results: Sequence[tuple[ToolCall, str]]) -> list[Message]:
+        """One ``tool`` message per call, in call order, named after the tool."""
+        return [{"role": "tool", "name": call.name, "content": text} for call, text in results]
+
+
+def _decode(text: str, pos: int) -> tuple[Any, int | None]:
+    """The JSON value starting at ``pos`` (after whitespace) and the index after it."""
+    while pos < len(text) and text[pos] in _WHITESPACE:
+        pos += 1
+    try:
+        obj, end = _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None, None
+    while end < len(text) and text[end] in _WHITESPACE:
+        end += 1
+    return obj, end
+
+
+def _json_problem(body: str) -> str:
+    """Why ``body`` is not one JSON value, positions counted in the stripped body."""
+    try:
+        json.loads(body.strip(_WHITESPACE))
+    except json.JSONDecodeError as exc:
+        return f"invalid JSON ({exc.msg} at char {exc.pos})"
+    except (ValueError, RecursionError) as exc:
+        return f"invalid JSON ({type(exc).__name__}: {exc})"
+    return "invalid JSON"  # not reached: the block failed to decode as one value before
+
+
+def _to_call(obj: Any, index: int) -> ToolCall | str:
+    where = f"tool call {index}"
+    if not isinstance(obj, dict):
+        kind = "array" if isinstance(obj, list) else _JSON_KINDS.get(type(obj), "null")
+        return f"{where}: expected a JSON object, got {kind}"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return f'{where}: "name" must be a non-empty string'
+    arguments = obj.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return f'{where}: "arguments" must be an object'
+    return ToolCall(name=name, arguments=arguments)

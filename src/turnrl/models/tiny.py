@@ -1,0 +1,441 @@
+"""The embedded tiny model: a locally trained tokenizer, a chat template, a small causal LM.
+
+Model hubs are unreachable here and many users start on a laptop, so turnrl can build a
+model from nothing: a byte-level BPE tokenizer trained on a generated corpus, a ChatML chat
+template with tool calls in the Qwen2.5 style, and a Qwen2 or Llama causal LM of about a
+million parameters with random (seeded) weights. Everything is saved with
+``save_pretrained`` and loaded back through the ordinary ``AutoTokenizer`` /
+``AutoModelForCausalLM`` path (``turnrl.models.loading``), exactly as a real hub model is.
+
+What does not live here: loading (``loading.py``) and anything that trains the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+from turnrl.errors import ConfigError
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nCall a tool by replying with\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}'
+    "\\n</tool_call>\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif not (tools and loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML with tools, in the Qwen2.5 layout but with a short tool preamble.
+
+With ``tools``, a system turn (the first message's content if it is a system message, else
+a one-line default) lists each schema as one JSON line inside ``<tools>``. Messages render
+as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; consecutive ``tool`` messages share one
+user turn of ``<tool_response>`` blocks, as in Qwen2.5; an assistant message's structured
+``tool_calls`` (if any) render as ``<tool_call>`` blocks. Earlier messages are never
+rewritten, so rendering a conversation's first k messages gives a prefix of rendering its
+first k + 1 (for non-consecutive tool messages), which the rollout engine relies on. Without
+tools no default system turn is added: the tiny model's context is small."""
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+"""Tokens that are always a single id; the first is also the padding token."""
+
+_ARCHS = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of the tiny model. The defaults give about 1.2M parameters (a few seconds to
+    build, fast enough to train on a laptop CPU)."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture: ``"qwen2"`` (Qwen2ForCausalLM, biased q/k/v) or ``"llama"``."""
+    vocab_size: int = 2048
+    """Target BPE vocabulary size, the 256 byte tokens and the special tokens included (an
+    upper bound: training stops early when the corpus has no more repeated pairs; the model
+    is sized to the tokenizer actually trained)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention (query) heads; must divide ``hidden_size``."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
+    intermediate_size: int = 512
+    """Width of each MLP's hidden layer."""
+    max_position_embeddings: int = 1024
+    """Longest context in tokens (also the tokenizer's ``model_max_length``)."""
+    tie_word_embeddings: bool = True
+    """Share input embedding and output head: copying tokens from the context (keys and
+    values out of a tool response) is then easy to learn, and parameters are saved."""
+    seed: int = 0
+    """Seed of the weight initialisation (the tokenizer is a pure function of its corpus)."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCHS:
+            raise ConfigError(f"TinyModelConfig.arch must be one of {_ARCHS}, got {self.arch!r}")
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"TinyModelConfig.{name} must be positive, got {getattr(self, name)}"
+                )
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ConfigError(
+                f"TinyModelConfig.vocab_size must be at least {256 + len(SPECIAL_TOKENS)} "
+                f"(256 byte tokens plus the special tokens), got {self.vocab_size}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"TinyModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"TinyModelConfig.num_heads ({self.num_heads}) must be divisible by "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError(
+                "TinyModelConfig.hidden_size / num_heads (the head size) must be even "
+                f"for rotary embeddings, got {self.hidden_size // self.num_heads}"
+            )
+
+
+_WORDS_TEXT = (
+    "the a an and or but not no yes is are was were be been has have had do does did "
+    "i you he she it we they me him her us them my your his its our their this that these "
+    "those what which who whom whose when where why how all any each every some many much "
+    "more most few less one two three four five six seven eight nine ten hundred thousand "
+    "first last next new old good bad big small long short high low right wrong true false "
+    "value key name number word answer question result tool call lookup search find get set "
+    "read write file table list item data text code user assistant system function arguments "
+    "return response error ok done please thank thanks sorry hello hi help can could will "
+    "would should may might must shall to of in on at by for with from about into over under "
+    "after before between through up down out off again then once here there now today time "
+    "day year way thing man woman child people world life hand part place case point fact "
+    "make know think take see come want look use give tell work ask try need feel become "
+    "leave put mean keep let begin seem show hear play run move live believe bring happen "
+    "provide sit stand lose pay meet include continue learn change lead understand watch "
+    "follow stop create speak allow add spend grow open walk win offer remember consider "
+    "appear buy wait serve die send expect build stay fall cut reach kill remain suggest "
+    "raise pass sell require report decide pull red green blue black white cat dog fox owl "
+    "bee cow pig hen ant elk yak bat eel emu ram rat alpha beta gamma delta epsilon zeta eta "
+    "theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi omega "
+    "city country weather temperature price date month week hour minute second final "
+    "correct secret hidden unknown found missing calculate compute add subtract multiply "
+    "divide sum total equal equals plus minus times store stored reply replying called "
+    "calling returns returned string object integer boolean array type description "
+    "parameters properties required example step steps check checked result results "
+    "problem solution solve reason reasoning because since while until although if else "
+    "only also just very still even never always often sometimes usually maybe perhaps "
+    "other another same different such own both either neither several enough most least "
+    "house home room door window car road street school book paper letter page story "
+    "water food fire earth air light sound music color shape size weight height length "
+    "money cost market company business job office team group member family friend "
+    "morning evening night north south east west left top bottom front back side middle "
+    "start end begin finish early late fast slow hot cold warm cool hard soft easy simple "
+    "clear full empty free busy happy sad sure ready able certain possible important "
+    "question questions answers values keys names numbers words tools calls files items "
+    "message messages content role query queries input output format json test tests"
+)
+_WORDS = tuple(_WORDS_TEXT.split())
+"""Common English words plus the vocabulary of tool use and of turnrl's probe tasks."""
+
+_TOOLS = (
+    ("lookup", "key", "Return the value stored under a key."),
+    ("search", "query", "Search the documents for a query."),
+    ("calculator", "expression", "Evaluate an arithmetic expression."),
+    ("get_weather", "city", "Return the weather in a city."),
+    ("read_file", "path", "Return the content of a file."),
+    ("python", "code", "Run Python code and return its output."),
+)
+
+
+def default_corpus() -> list[str]:
+    """A generated corpus for training the tiny tokenizer (deterministic, ~5k lines).
+
+    It covers English words and sentences, numbers and arithmetic, tool-call JSON, tool
+    schemas and whole conversations rendered by ``CHAT_TEMPLATE``, so that the pieces a
+    tool-using conversation is made of become single tokens. Domain text (an environment's
+    keys and values) is added by callers.
+    """
+    rng = random.Random(0)
+    lines: list[str] = [*_WORDS, *(w.capitalize() for w in _WORDS)]
+    for _ in range(1500):
+        lines.append(_sentence(rng))
+    for _ in range(300):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        lines.append(f"{a} {op} {b} = {result}")
+        lines.append(f"{rng.uniform(-100, 100):.2f}")
+    for _ in range(800):
+        lines.append(_tool_call(rng))
+        lines.append(f"<tool_response>\n{rng.choice(_WORDS)}\n</tool_response>")
+    template = _corpus_template()
+    for _ in range(400):
+        tools = rng.sample([_tool_schema(*t) for t in _TOOLS], rng.randint(0, 2))
+        messages: list[dict[str, str]] = []
+        if rng.random() < 0.5:
+            messages.append({"role": "system", "content": _sentence(rng)})
+        messages.append({"role": "user", "content": _sentence(rng)})
+        for _ in range(rng.randint(0, 2)):
+            messages.append({"role": "assistant", "content": _tool_call(rng)})
+            messages.append({"role": "tool", "content": rng.choice(_WORDS)})
+        messages.append({"role": "assistant", "content": _sentence(rng)})
+        lines.append(template.render(messages=messages, tools=tools or None))
+    return lines
+
+
+def _sentence(rng: random.Random) -> str:
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+    return words.capitalize() + rng.choice((".", ".", ".", "?", "!"))
+
+
+def _tool_call(rng: random.Random) -> str:
+    name, arg, _ = rng.choice(_TOOLS)
+    value = rng.choice(_WORDS) if rng.random() < 0.7 else str(rng.randint(0, 999))
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': {arg: value}})}\n</tool_call>"
+
+
+def _tool_schema(name: str, arg: str, description: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {arg: {"type": "string"}},
+                "required": [arg],
+            },
+        },
+    }
+
+
+def _corpus_template() -> jinja2.Template:
+    """``CHAT_TEMPLATE`` compiled as transformers compiles it (``tojson`` without HTML
+    escaping or key sorting), for rendering corpus conversations before a tokenizer exists."""
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = json.dumps
+    return env.from_string(CHAT_TEMPLATE)
+
+
+def build_tokenizer(
+    corpus: Iterable[str], vocab_size: int = 2048, *, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it for transformers.
+
+    Every byte is in the alphabet, so any text encodes (there is no unknown token) and
+    ``encode(decode(ids))`` round-trips (NFC-normalised) text. ``SPECIAL_TOKENS`` are single
+    special tokens; ``<|im_end|>`` is the end-of-sequence token and ``<|endoftext|>`` pads.
+    The result is a pure function of the corpus and the sizes.
+
+    The pipeline (NFC, Qwen2's split regex, then ``ByteLevel(add_prefix_space=False)``) is
+    exactly the one transformers' ``Qwen2Tokenizer`` rebuilds when it loads a tokenizer
+    saved next to a ``qwen2`` model (transformers 5 ignores the saved pipeline for that model
+    type), so the tokenizer loaded by ``AutoTokenizer`` encodes as the trained one does.
+    """
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_split_special(corpus), trainer=trainer)
+    wrap: Any = PreTrainedTokenizerFast  # untyped constructor (kwargs only)
+    tokenizer: PreTrainedTokenizerFast = wrap(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    return tokenizer
+
+
+_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""Qwen2's pre-tokenizer regex: words with their leading space, single digits, punctuation
+runs, newlines (copied from transformers' ``tokenization_qwen2.PRETOKENIZE_REGEX``)."""
+
+_SPECIAL_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+
+
+def _split_special(corpus: Iterable[str]) -> Iterator[str]:
+    """The corpus cut at special-token strings, as encoding cuts it. The trainer does not cut
+    there itself; merges across their pieces (``<|``, ``im``) would only waste vocabulary."""
+    for text in corpus:
+        yield from (piece for piece in _SPECIAL_SPLIT.split(text) if piece)
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    config: TinyModelConfig = TinyModelConfig(),
+    extra_corpus: Iterable[str] = (),
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Build the tokenizer and a randomly initialised model, save both to ``out_dir``.
+
+    The tokenizer is trained on ``default_corpus()`` plus ``extra_corpus``; the model's
+    weights are seeded by ``config.seed``. The directory is written atomically (a temporary
+    sibling renamed into place) and also holds ``turnrl_model.json`` (the config and the
+    parameter count). An existing non-empty ``out_dir`` is refused unless ``overwrite``.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{out} already exists and is not empty; pass overwrite=True to replace it, "
+            "or choose another directory"
+        )
+    tokenizer = build_tokenizer(
+        [*default_corpus(), *extra_corpus],
+        config.vocab_size,
+        model_max_length=config.max_position_embeddings,
+    )
+    model = _init_model(config, tokenizer)
+    num_parameters = sum(p.numel() for p in model.parameters())
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model directory should not be
+        tokenizer.save_pretrained(tmp)
+        with _no_progress_bars():
+            model.save_pretrained(tmp)
+        info = {"config": asdict(config), "num_parameters": num_parameters}
+        (tmp / "turnrl_model.json").write_text(json.dumps(info, indent=2) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _init_model(config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> Any:
+    """A float32 causal LM of ``config``'s shape over ``tokenizer``'s vocabulary."""
+    special: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    shape: dict[str, Any] = {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
+    model: Any
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
+        torch.manual_seed(config.seed)
+        if config.arch == "qwen2":
+            model = Qwen2ForCausalLM(Qwen2Config(**shape, **special))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**shape, **special))
+    return model.to(torch.float32)
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' progress bars (a one-shard save needs none), then restore."""
+    progress: Any = hf_logging  # untyped module functions
+    was_enabled = progress.is_progress_bar_enabled()
+    progress.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            progress.enable_progress_bar()
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is moved aside first, removed after."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""Learning curves of a run as one PNG, and a minimal self-contained report.html.
+
+Reads only ``metrics.jsonl``, so it works on a finished, running or killed run.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+PANELS = (
+    ("success", ("rollout/success_mean", "eval/success_mean")),
+    ("reward", ("rollout/reward_mean", "rollout/reward_std_in_group")),
+    ("tool use", ("rollout/tool_calls_mean", "rollout/tool_errors_frac")),
+    ("policy", ("loss/entropy", "train/clip_frac", "train/logprob_mismatch")),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    rows: list[dict[str, Any]] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def write_curves(run_dir: Path) -> Path:
+    """Draw ``learning_curve.png`` in the run directory and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    for ax, (title, keys) in zip(axes, PANELS, strict=True):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o" if len(points) < 20 else None, ms=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(run_dir) / "learning_curve.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write ``report.html``: the curves and the last metrics row, no network needed."""
+    run_dir = Path(run_dir)
+    png = write_curves(run_dir)
+    rows = read_metrics(run_dir)
+    last = rows[-1] if rows else {}
+    image = base64.b64encode(png.read_bytes()).decode()
+    table = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>"
+        if isinstance(v, float)
+        else f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in sorted(last.items())
+    )
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>turnrl run report</title>"
+        f"<h1>{html.escape(run_dir.name)}</h1>"
+        f"<img alt='learning curves' src='data:image/png;base64,{image}'>"
+        f"<h2>Last step</h2><table>{table}</table>"
+    )
+    out = run_dir / "report.html"
+    out.write_text(page)
+    return out

@@ -1,0 +1,68 @@
+"""From trajectories to a padded training batch, token-exact.
+
+Each trajectory yields one sample per run of contiguous turns (``Trajectory.samples``);
+every sample carries its trajectory's advantage. Trajectories with an infrastructure
+``error`` are excluded here, by one visible rule, and counted by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from turnrl.types import Sample, Trajectory
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded tensors, B sequences x T tokens.
+
+    ``loss_mask`` is 1 exactly on sampled tokens; ``old_logprobs`` holds the sampler's
+    log-probs there (0 elsewhere); ``advantages`` is one value per sequence.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] bool
+    old_logprobs: torch.Tensor  # [B, T] float
+    advantages: torch.Tensor  # [B] float
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: slice) -> Batch:
+        return Batch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.loss_mask[index],
+            self.old_logprobs[index],
+            self.advantages[index],
+        )
+
+
+def trainable(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """The trajectories that may be trained on: those without an infrastructure error."""
+    return [t for t in trajectories if t.error is None and t.turns]
+
+
+def pack(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int) -> Batch:
+    """Pad ``samples`` on the right into one batch."""
+    if len(samples) != len(advantages):
+        raise ValueError("one advantage per sample is required")
+    if not samples:
+        raise ValueError("cannot pack an empty batch")
+    B, T = len(samples), max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    old = torch.zeros((B, T), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        input_ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
+        attention[i, :n] = 1
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        old[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return Batch(input_ids, attention, mask, old, torch.tensor(advantages, dtype=torch.float32))

@@ -1,0 +1,139 @@
+"""Many episodes at once: groups of samples per task, their requests batched together.
+
+``collect_groups`` runs P tasks x G samples as concurrent asyncio episodes. Each episode
+asks for one completion at a time; ``BatchingClient`` gathers the requests of every
+episode that is waiting for the model into one backend call, so a step's forward passes
+cover all live episodes, whatever turn each one is at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from turnrl.protocols import Backend, Env
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed, run_episode
+from turnrl.types import Completion, GenerationRequest, Task, Trajectory
+
+
+class BatchingClient:
+    """Coalesces single requests from concurrent episodes into batched backend calls.
+
+    A batch is sent as soon as every live episode is waiting for the model, or after
+    ``max_wait_s`` when some are busy elsewhere (in a slow tool), so a slow tool delays
+    nobody for long. Requests inside a batch are ordered by arrival.
+    """
+
+    def __init__(self, backend: Backend, *, max_wait_s: float = 0.01) -> None:
+        self.backend = backend
+        self.max_wait_s = max_wait_s
+        self.live = 0
+        self.num_batches = 0
+        self._pending: list[tuple[GenerationRequest, asyncio.Future[Completion]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        # Let runnable episodes reach their next request before sending the batch.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        while len(self._pending) < self.live and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        batch, self._pending = self._pending, []
+        self.num_batches += 1
+        try:
+            completions = await self.backend.generate([r for r, _ in batch])
+            if len(completions) != len(batch):
+                raise RuntimeError(
+                    f"backend returned {len(completions)} completions for {len(batch)} requests"
+                )
+        except Exception as exc:  # every waiting episode records the failure
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+        else:
+            for (_, future), completion in zip(batch, completions, strict=True):
+                if not future.done():
+                    future.set_result(completion)
+        if self._pending:
+            self._flusher = asyncio.create_task(self._flush())
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What one batch of groups needs besides the tasks."""
+
+    group_size: int
+    limits: EpisodeLimits
+    sampling: SamplingParams
+    seed: int
+    policy_version: int = 0
+
+
+async def collect_groups(
+    tasks: Sequence[Task],
+    make_env: Callable[[], Env],
+    backend: Backend,
+    renderer: ChatRenderer,
+    spec: GroupSpec,
+) -> list[list[Trajectory]]:
+    """Run ``group_size`` episodes of every task concurrently; return them grouped by task.
+
+    Seeds derive from (run seed, task id, sample index), so a sample does not depend on
+    which other episodes ran beside it.
+    """
+    client = BatchingClient(backend)
+
+    async def one(task: Task, index: int) -> Trajectory:
+        client.live += 1
+        try:
+            env = make_env()
+            return await run_episode(
+                env,
+                task,
+                client.generate,
+                renderer,
+                limits=spec.limits,
+                sampling=spec.sampling,
+                seed=derive_seed(spec.seed, task.id, index),
+                sample_index=index,
+                policy_version=spec.policy_version,
+            )
+        finally:
+            client.live -= 1
+
+    flat = await asyncio.gather(*(one(t, i) for t in tasks for i in range(spec.group_size)))
+    G = spec.group_size
+    return [list(flat[p * G : (p + 1) * G]) for p in range(len(tasks))]
+
+
+def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+    """The ``rollout/*`` metrics of DESIGN.md for one batch of groups."""
+    trajs = [t for g in groups for t in g]
+    n = max(1, len(trajs))
+    calls = [c for t in trajs for c in t.tool_calls]
+    stds = [statistics.stdev([t.reward for t in g]) if len(g) > 1 else 0.0 for g in groups]
+    return {
+        "rollout/reward_mean": sum(t.reward for t in trajs) / n,
+        "rollout/success_mean": sum(t.success for t in trajs) / n,
+        "rollout/reward_std_in_group": sum(stds) / max(1, len(stds)),
+        "rollout/zero_variance_groups_frac": sum(s == 0.0 for s in stds) / max(1, len(stds)),
+        "rollout/turns_mean": sum(len(t.turns) for t in trajs) / n,
+        "rollout/tool_calls_mean": len(calls) / n,
+        "rollout/tool_errors_frac": sum(not c.ok for c in calls) / max(1, len(calls)),
+        "rollout/truncated_frac": sum(t.truncated for t in trajs) / n,
+        "rollout/template_breaks": float(sum(t.template_breaks for t in trajs)),
+        "rollout/errors": float(sum(t.error is not None for t in trajs)),
+        "rollout/completion_tokens_mean": sum(t.num_completion_tokens for t in trajs) / n,
+    }

@@ -1,0 +1,67 @@
+"""Resumable checkpoints, written atomically (DESIGN.md invariant 7).
+
+A checkpoint is a directory ``checkpoints/step_NNNNNN`` holding the model and tokenizer
+(``save_pretrained``, loadable by the Auto classes), the optimizer state and the trainer
+state (step, policy version). It is written under a temporary name and renamed into place,
+and ``checkpoints/latest`` is replaced atomically after it, so a run killed at any moment
+leaves the previous checkpoint intact. Sampling seeds derive from (seed, step, task,
+sample), so step and weights are all a resumed run needs to continue the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where a run stands: the next step to run and the policy version."""
+
+    step: int
+    policy_version: int
+
+
+def save_checkpoint(
+    run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: TrainerState
+) -> Path:
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f".tmp-step_{state.step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps(state.__dict__))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(root / "latest", final.name)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = run_dir / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "state.json").is_file() else None
+
+
+def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    data = json.loads((checkpoint / "state.json").read_text())
+    return TrainerState(step=int(data["step"]), policy_version=int(data["policy_version"]))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

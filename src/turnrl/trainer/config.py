@@ -1,0 +1,266 @@
+"""The training configuration: frozen dataclasses, a docstring per field, validated once.
+
+A recipe (a TOML file in recipes/) gives values by section; ``--set section.key=value``
+overrides them. Unknown keys and values of the wrong type are errors that name the key and
+say what was expected. Environment options are checked by the environment itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+
+from turnrl.errors import ConfigError
+
+RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+DEFAULT_RECIPE = "quickstart"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to train."""
+
+    path: str = ""
+    """A local directory or hub id; empty builds the tiny model into the run directory."""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Tiny model architecture (used only when ``path`` is empty)."""
+    hidden_size: int = 128
+    """Tiny model width."""
+    num_layers: int = 4
+    """Tiny model depth."""
+    num_heads: int = 4
+    """Tiny model attention heads."""
+    vocab_size: int = 2048
+    """Tiny model tokenizer vocabulary (BPE trained locally)."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Which environment, with its own options (see ``turnrl envs list``)."""
+
+    name: str = "secret_lookup"
+    """A registered environment name."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of that environment (its dataclass fields), e.g. ``num_values``."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How episodes are sampled each step."""
+
+    prompts_per_step: int = 16
+    """Tasks per step (P)."""
+    group_size: int = 8
+    """Samples per task (G); advantages compare samples within a group."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner scales logits by the same value)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_turns: int = 4
+    """Model turns per episode."""
+    max_tokens_per_turn: int = 48
+    """Tokens per completion."""
+    max_episode_tokens: int = 160
+    """Sampled tokens per episode."""
+    max_context_tokens: int = 512
+    """Prompt plus everything after it."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The policy update (GRPO with a PPO-clip loss and token-mean reduction)."""
+
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm)."""
+    eps_low: float = 0.2
+    """PPO clip: lower bound 1 - eps_low."""
+    eps_high: float = 0.2
+    """PPO clip: upper bound 1 + eps_high (DAPO's clip-higher uses 0.28)."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward; gradients accumulate to the whole batch."""
+    control: Literal["none", "shuffled_rewards"] = "none"
+    """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """The syntax-only supervised warm-up (format demonstrations, random content)."""
+
+    steps: int = 60
+    """Optimizer steps; 0 skips the warm-up."""
+    batch_size: int = 32
+    """Demonstrations per step."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation during training."""
+
+    every: int = 10
+    """Evaluate every this many steps (and before the first and after the last)."""
+    num_tasks: int = 128
+    """Held-out tasks, one sample each, at the training temperature."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    name: str = "quickstart"
+    """Run name (the default run directory is runs/<name>)."""
+    seed: int = 0
+    """Run seed; every sample's seed derives from it."""
+    steps: int = 60
+    """RL steps."""
+    threads: int = 0
+    """torch CPU threads; 0 keeps torch's default."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end)."""
+    log_groups: int = 2
+    """Groups per step written to trajectories.jsonl."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.steps >= 0, "steps must be >= 0"),
+            (self.rollout.group_size >= 2, "rollout.group_size must be >= 2 for GRPO"),
+            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
+            (self.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
+            (self.rollout.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
+            (0.0 < self.rollout.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
+            (self.rollout.temperature > 0.0, "rollout.temperature must be > 0 for training"),
+            (self.algorithm.lr > 0.0, "algorithm.lr must be > 0"),
+            (self.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size must be >= 1"),
+            (0.0 <= self.algorithm.eps_low < 1.0, "algorithm.eps_low must be in [0, 1)"),
+            (self.algorithm.eps_high >= 0.0, "algorithm.eps_high must be >= 0"),
+            (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
+            (self.eval.every >= 1, "eval.every must be >= 1"),
+            (self.save_every >= 1, "save_every must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
+    data = read_recipe(recipe or DEFAULT_RECIPE)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        _assign(data, key.strip().split("."), _parse_value(raw.strip()))
+    return build(Config, data, "")
+
+
+def read_recipe(recipe: str) -> dict[str, Any]:
+    path = Path(recipe)
+    if path.suffix != ".toml":
+        path = RECIPES_DIR / f"{recipe}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPES_DIR.glob("*.toml")) if RECIPES_DIR.is_dir() else []
+        raise ConfigError(f"no recipe {recipe!r} (looked for {path}); known recipes: {known}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        low = raw.lower()
+        return {"true": True, "false": False}.get(low, raw)
+
+
+def _assign(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def build(cls: type[Any], data: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from nested dicts, checking keys and types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a table of settings, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    if cls is EnvConfig:  # environment options are free-form here, checked by the env
+        options = dict(data.get("options", {}))
+        options.update({k: v for k, v in data.items() if k not in ("name", "options")})
+        data = {"name": data.get("name", EnvConfig.name), "options": options}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(fields)}"
+            raise ConfigError(f"unknown config key {path!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, path)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path} must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: {value!r} does not fit {tp}")
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a table, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    else:
+        return value
+    raise ConfigError(f"{path} must be {getattr(tp, '__name__', tp)}, got {value!r}")

@@ -1,0 +1,101 @@
+"""The learner: recompute log-probs, take one clipped policy-gradient step.
+
+Micro-batches accumulate gradients; the loss of each is normalised by the token count of
+the *whole* batch, so accumulation gives the same gradient as one big batch. On the first
+pass after fresh rollouts the recomputed log-probs must equal the sampler's: their gap is
+logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from turnrl.algorithms import clipped_policy_loss, masked_mean, token_mean
+from turnrl.rollout.batch import Batch
+from turnrl.trainer.config import AlgorithmConfig
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(x_t | x_<t) and the entropy of pi(. | x_<t), both [B, T], where ``loss_mask``.
+
+    Only the positions that are trained on go through the output layer: in agent rollouts
+    most tokens are prompt and tool output, so this skips most of the vocabulary-sized
+    work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
+    Elsewhere both outputs are 0.
+    """
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)
+    hidden = hidden.last_hidden_state  # [B, T, H]
+    target = loss_mask.clone()
+    target[:, 0] = False  # the first token has no context to be predicted from
+    b, t = target.nonzero(as_tuple=True)
+    logits = model.get_output_embeddings()(hidden[b, t - 1]).float() / temperature  # [N, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    picked = logp_all.gather(-1, input_ids[b, t][:, None]).squeeze(-1)
+    logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
+    logprobs = logprobs.index_put((b, t), picked)
+    with torch.no_grad():
+        entropy = torch.zeros_like(logprobs)
+        entropy[b, t] = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+class Learner:
+    """Owns the optimizer; ``step`` applies one update from one batch."""
+
+    def __init__(self, model: Any, config: AlgorithmConfig, *, temperature: float) -> None:
+        self.model = model
+        self.config = config
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = batch.loss_mask.sum().clamp(min=1).float()
+        totals = {"loss": 0.0, "entropy": 0.0, "clipped": 0.0, "abs_gap": 0.0, "max_gap": 0.0}
+        for start in range(0, batch.num_sequences, cfg.micro_batch_size):
+            mb = batch.select(slice(start, start + cfg.micro_batch_size))
+            logprobs, entropy = token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature
+            )
+            out = clipped_policy_loss(
+                logprobs,
+                mb.old_logprobs,
+                mb.advantages[:, None],
+                mb.loss_mask,
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+            )
+            loss = token_mean(out.per_token_loss, mb.loss_mask, num_tokens)
+            loss.backward()
+            with torch.no_grad():
+                gap = torch.where(mb.loss_mask, (logprobs - mb.old_logprobs).abs(), 0.0)
+                share = mb.loss_mask.sum() / num_tokens
+                totals["loss"] += float(loss)
+                totals["entropy"] += float(masked_mean(entropy, mb.loss_mask) * share)
+                totals["clipped"] += float(masked_mean(out.clipped.float(), mb.loss_mask) * share)
+                totals["abs_gap"] += float(gap.sum() / num_tokens)
+                totals["max_gap"] = max(totals["max_gap"], float(gap.max()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        return {
+            "loss/policy": totals["loss"],
+            "loss/entropy": totals["entropy"],
+            "train/grad_norm": float(grad_norm),
+            "train/clip_frac": totals["clipped"],
+            "train/logprob_mismatch": totals["abs_gap"],
+            "train/logprob_mismatch_max": totals["max_gap"],
+            "train/num_tokens": float(num_tokens),
+            "train/num_sequences": float(batch.num_sequences),
+        }

@@ -1,0 +1,286 @@
+"""The synchronous training loop: rollout, advantages, update, log, checkpoint.
+
+``train`` reads top to bottom: build or load the model, warm it up on format
+demonstrations, then each step collects groups of episodes, turns rewards into GRPO
+advantages, trains on the token-exact samples and writes one metrics row. Everything a
+run produces goes into its run directory (DESIGN.md "The main job").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+from turnrl.algorithms import grpo_advantages
+from turnrl.backends.torch_backend import TorchBackend
+from turnrl.envs import EnvSpec, make_env_spec
+from turnrl.errors import ConfigError
+from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from turnrl.models.loading import stop_token_ids
+from turnrl.rollout.batch import pack, trainable
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
+from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
+from turnrl.trainer.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+)
+from turnrl.trainer.config import Config
+from turnrl.trainer.learner import Learner
+from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
+from turnrl.types import Trajectory
+
+Row = dict[str, Any]
+
+
+@dataclass
+class RunResult:
+    """What ``train`` returns: where the run lives and every metrics row it wrote."""
+
+    run_dir: Path
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def final_eval_success(self) -> float | None:
+        for row in reversed(self.rows):
+            if "eval/success_mean" in row:
+                return float(row["eval/success_mean"])
+        return None
+
+
+def train(
+    config: Config,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    on_row: Callable[[Row], None] | None = None,
+) -> RunResult:
+    """Run ``config`` into ``run_dir``; with ``resume`` continue from its last checkpoint."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").exists() and not resume:
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume or choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    spec = make_env_spec(config.env.name, **config.env.options)
+
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    model_path = checkpoint / "model" if checkpoint else _base_model(config, spec, run_dir)
+    tokenizer = load_tokenizer(model_path)
+    model = load_model(model_path)
+    stops = stop_token_ids(tokenizer)
+    r = config.rollout
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, stop_token_ids=stops)
+    limits = EpisodeLimits(
+        r.max_turns, r.max_tokens_per_turn, r.max_episode_tokens, r.max_context_tokens
+    )
+
+    renderer = ChatRenderer(tokenizer)
+
+    result = RunResult(run_dir)
+    with (run_dir / "metrics.jsonl").open("a") as metrics_out, (
+        run_dir / "trajectories.jsonl"
+    ).open("a") as traj_out:
+
+        def emit(row: Row) -> None:
+            metrics_out.write(json.dumps(row) + "\n")
+            metrics_out.flush()
+            result.rows.append(row)
+            if on_row:
+                on_row(row)
+
+        first: Row = {"step": 0}
+        if checkpoint is None and config.warmup.steps > 0:
+            first.update(_warmup(config, spec, model, tokenizer, renderer, limits, sampling))
+        learner = Learner(model, config.algorithm, temperature=r.temperature)
+        backend = TorchBackend(model, tokenizer)
+        start = 0
+        if checkpoint is not None:
+            state = load_trainer_state(checkpoint, learner.optimizer)
+            start, backend.policy_version = state.step, state.policy_version
+
+        def evaluate() -> Row:
+            tasks = [spec.task(i, split="test") for i in range(config.eval.num_tasks)]
+            eval_spec = GroupSpec(1, limits, sampling, seed=derive_seed(config.seed, "eval"))
+            groups = asyncio.run(
+                collect_groups(tasks, spec.make_env, backend, renderer, eval_spec)
+            )
+            metrics = rollout_metrics(groups)
+            return {
+                "eval/success_mean": metrics["rollout/success_mean"],
+                "eval/reward_mean": metrics["rollout/reward_mean"],
+                "eval/tool_calls_mean": metrics["rollout/tool_calls_mean"],
+            }
+
+        if checkpoint is None:
+            first.update(evaluate())
+            emit(first)
+        bar = tqdm(
+            range(start, config.steps), desc="train", disable=not progress, initial=start,
+            total=config.steps,
+        )  # fmt: skip
+        for step in bar:
+            row = _train_step(config, step, spec, backend, learner, renderer, limits,
+                              sampling, traj_out)  # fmt: skip
+            done = step + 1
+            if done % config.eval.every == 0 or done == config.steps:
+                row.update(evaluate())
+            emit(row)
+            bar.set_postfix(
+                success=f"{row['rollout/success_mean']:.2f}", reward=f"{row['rollout/reward_mean']:.2f}"
+            )
+            if done % config.save_every == 0 or done == config.steps:
+                state = TrainerState(step=done, policy_version=backend.policy_version)
+                save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
+        if config.steps == 0 or start >= config.steps:
+            state = TrainerState(step=start, policy_version=backend.policy_version)
+            save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
+    return result
+
+
+def _base_model(config: Config, spec: EnvSpec, run_dir: Path) -> Path:
+    if config.model.path:
+        return Path(config.model.path)
+    m = config.model
+    tiny = TinyModelConfig(
+        arch=m.arch,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        vocab_size=m.vocab_size,
+        seed=config.seed,
+    )
+    target = run_dir / "base_model"
+    if (target / "config.json").is_file():
+        return target
+    return Path(build_tiny_model(target, tiny, extra_corpus=spec.corpus()))
+
+
+def _warmup(
+    config: Config,
+    spec: EnvSpec,
+    model: Any,
+    tokenizer: Any,
+    renderer: ChatRenderer,
+    limits: EpisodeLimits,
+    sampling: SamplingParams,
+) -> Row:
+    t0 = time.perf_counter()
+    w = config.warmup
+    demos = demonstration_trajectories(
+        spec, tokenizer, renderer, count=min(w.steps * w.batch_size, 4096),
+        limits=limits, sampling=sampling, seed=config.seed,
+    )  # fmt: skip
+    samples = warmup_samples(demos)
+    if not samples:
+        raise ConfigError("the warm-up demonstrations produced no trainable samples")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    losses = supervised_warmup(model, samples, w, pad_id=int(pad), seed=config.seed)
+    return {
+        "warmup/loss_first": losses[0],
+        "warmup/loss_last": losses[-1],
+        "warmup/demonstrations": float(len(demos)),
+        "warmup/s": time.perf_counter() - t0,
+    }
+
+
+def _train_step(
+    config: Config,
+    step: int,
+    spec: EnvSpec,
+    backend: TorchBackend,
+    learner: Learner,
+    renderer: ChatRenderer,
+    limits: EpisodeLimits,
+    sampling: SamplingParams,
+    traj_out: TextIO,
+) -> Row:
+    r = config.rollout
+    t0 = time.perf_counter()
+    tasks = [spec.task(step * r.prompts_per_step + j) for j in range(r.prompts_per_step)]
+    group_spec = GroupSpec(
+        r.group_size, limits, sampling, seed=derive_seed(config.seed, step),
+        policy_version=backend.policy_version,
+    )  # fmt: skip
+    groups = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
+    t1 = time.perf_counter()
+    advantages = group_advantages(groups, shuffle_seed=_shuffle_seed(config, step))
+    samples, sample_adv = [], []
+    for group, group_adv in zip(groups, advantages, strict=True):
+        keep = {id(t) for t in trainable(group)}
+        for traj, adv in zip(group, group_adv, strict=True):
+            if id(traj) in keep:
+                for sample in traj.samples():
+                    samples.append(sample)
+                    sample_adv.append(adv)
+    row: Row = {"step": step + 1, **rollout_metrics(groups)}
+    row["rollout/dropped_errors"] = float(sum(t.error is not None for g in groups for t in g))
+    if samples:
+        pad = backend.pad_id
+        row.update(learner.step(pack(samples, sample_adv, pad)))
+    backend.policy_version += 1
+    t2 = time.perf_counter()
+    tokens = sum(t.num_tokens for g in groups for t in g)
+    row.update(
+        {
+            "perf/rollout_s": t1 - t0,
+            "perf/train_s": t2 - t1,
+            "perf/step_s": t2 - t0,
+            "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9),
+        }
+    )
+    for g, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
+        if g >= config.log_groups:
+            break
+        for traj, adv in zip(group, group_adv, strict=True):
+            line = {"step": step + 1, "group": g, "advantage": adv, **traj.to_json()}
+            traj_out.write(json.dumps(line) + "\n")
+    traj_out.flush()
+    return row
+
+
+def _shuffle_seed(config: Config, step: int) -> int | None:
+    if config.algorithm.control == "shuffled_rewards":
+        return derive_seed(config.seed, step, "shuffle")
+    return None
+
+
+def group_advantages(
+    groups: Sequence[Sequence[Trajectory]], *, shuffle_seed: int | None = None
+) -> list[list[float]]:
+    """GRPO advantages per group, over the members without an infrastructure error.
+
+    Errored members get advantage 0 (they are excluded from training anyway). With
+    ``shuffle_seed`` the rewards are first permuted across the whole batch: the negative
+    control in which rewards carry no information about the samples they are paired with.
+    """
+    rewards = [[t.reward for t in g] for g in groups]
+    if shuffle_seed is not None:
+        flat = [x for g in rewards for x in g]
+        random.Random(shuffle_seed).shuffle(flat)
+        it = iter(flat)
+        rewards = [[next(it) for _ in g] for g in rewards]
+    out: list[list[float]] = []
+    for group, group_rewards in zip(groups, rewards, strict=True):
+        valid = [i for i, t in enumerate(group) if t.error is None]
+        adv = [0.0] * len(group)
+        if valid:
+            values = grpo_advantages(torch.tensor([[group_rewards[i] for i in valid]]))[0]
+            for i, a in zip(valid, values.tolist(), strict=True):
+                adv[i] = float(a)
+        out.append(adv)
+    return out
