@@ -163,13 +163,18 @@ def _sample(
     greedy = temps <= 0.0
     logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps), dim=-1)
     probs = logprobs.exp()
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps
-    sorted_p = torch.where(keep, sorted_p, 0.0)
-    cdf = sorted_p.cumsum(-1)
+    if bool((top_ps < 1.0).any()):
+        probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        probs = torch.where((probs.cumsum(-1) - probs) < top_ps, probs, 0.0)
+    else:
+        order = None
+    cdf = probs.cumsum(-1)
     target = (u[:, None] * cdf[:, -1:]).clamp(max=cdf[:, -1:] * (1 - 1e-7))
-    pick = torch.searchsorted(cdf, target).clamp(max=logits.shape[-1] - 1)
-    tok = order.gather(-1, pick).squeeze(-1)
-    tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), tok)
+    tok = torch.searchsorted(cdf, target).clamp(max=logits.shape[-1] - 1)
+    if order is not None:
+        tok = order.gather(-1, tok)
+    tok = tok.squeeze(-1)
+    if bool(greedy.any()):
+        tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), tok)
     return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)

@@ -8,13 +8,15 @@ logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from turnrl.algorithms import clipped_policy_loss, masked_mean, token_mean
-from turnrl.rollout.batch import Batch
+from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.config import AlgorithmConfig
+from turnrl.types import Sample
 
 
 def token_logprobs(
@@ -58,14 +60,35 @@ class Learner:
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
 
-    def step(self, batch: Batch) -> dict[str, float]:
+    def step_samples(
+        self, samples: Sequence[Sample], advantages: Sequence[float], pad_id: int
+    ) -> dict[str, float]:
+        """One update from token-exact samples: micro-batches of similar length, so little
+        work is spent on padding; the result equals one update on the whole batch."""
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+        size = self.config.micro_batch_size
+        chunks = [
+            pack([samples[i] for i in part], [advantages[i] for i in part], pad_id)
+            for part in (order[s : s + size] for s in range(0, len(order), size))
+        ]
+        return self.step(chunks)
+
+    def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
+        """One update from a batch (split into micro-batches) or from given micro-batches."""
         cfg = self.config
+        if isinstance(batch, Batch):
+            micro = [
+                batch.select(slice(s, s + cfg.micro_batch_size))
+                for s in range(0, batch.num_sequences, cfg.micro_batch_size)
+            ]
+        else:
+            micro = list(batch)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = batch.loss_mask.sum().clamp(min=1).float()
+        num_tokens = sum(mb.loss_mask.sum() for mb in micro).clamp(min=1).float()
+        num_sequences = sum(mb.num_sequences for mb in micro)
         totals = {"loss": 0.0, "entropy": 0.0, "clipped": 0.0, "abs_gap": 0.0, "max_gap": 0.0}
-        for start in range(0, batch.num_sequences, cfg.micro_batch_size):
-            mb = batch.select(slice(start, start + cfg.micro_batch_size))
+        for mb in micro:
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature
             )
@@ -97,5 +120,5 @@ class Learner:
             "train/logprob_mismatch": totals["abs_gap"],
             "train/logprob_mismatch_max": totals["max_gap"],
             "train/num_tokens": float(num_tokens),
-            "train/num_sequences": float(batch.num_sequences),
+            "train/num_sequences": float(num_sequences),
         }

@@ -26,7 +26,7 @@ from turnrl.envs import EnvSpec, make_env_spec
 from turnrl.errors import ConfigError
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
 from turnrl.models.loading import stop_token_ids
-from turnrl.rollout.batch import pack, trainable
+from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
@@ -230,8 +230,7 @@ def _train_step(
     row: Row = {"step": step + 1, **rollout_metrics(groups)}
     row["rollout/dropped_errors"] = float(sum(t.error is not None for g in groups for t in g))
     if samples:
-        pad = backend.pad_id
-        row.update(learner.step(pack(samples, sample_adv, pad)))
+        row.update(learner.step_samples(samples, sample_adv, backend.pad_id))
     backend.policy_version += 1
     t2 = time.perf_counter()
     tokens = sum(t.num_tokens for g in groups for t in g)

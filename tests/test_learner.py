@@ -1,0 +1,105 @@
+"""The sampler and the learner agree: per-request seeds, the on-policy ratio, exact zero
+gradient on masked tokens, and micro-batching that does not change the update."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import torch
+
+from turnrl.backends.torch_backend import TorchBackend
+from turnrl.envs import SecretLookup
+from turnrl.models.loading import stop_token_ids
+from turnrl.rollout.batch import Batch, pack
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams
+from turnrl.rollout.groups import GroupSpec, collect_groups
+from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.learner import Learner
+from turnrl.types import GenerationRequest
+
+SPEC = SecretLookup()
+
+
+def rollout_batch(model: Any, tokenizer: Any, *, tasks: int = 4, group: int = 4) -> Batch:
+    backend = TorchBackend(model, tokenizer)
+    spec = GroupSpec(
+        group, EpisodeLimits(max_tokens_per_turn=24), SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=3
+    )
+    groups = asyncio.run(
+        collect_groups([SPEC.task(i) for i in range(tasks)], SPEC.make_env, backend, ChatRenderer(tokenizer), spec)
+    )
+    samples = [s for g in groups for t in g for s in t.samples()]
+    advantages = [float((-1) ** i) * 0.5 for i in range(len(samples))]
+    return pack(samples, advantages, backend.pad_id)
+
+
+def grads_after_step(model: Any, batch: Batch, micro_batch_size: int = 64) -> dict[str, torch.Tensor]:
+    learner = Learner(model, AlgorithmConfig(lr=1e-3, micro_batch_size=micro_batch_size), temperature=1.0)
+    learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # keep grads, skip the update
+    learner.step(batch)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_request_samples_the_same_alone_or_in_a_batch(model: Any, tokenizer: Any) -> None:
+    backend = TorchBackend(model, tokenizer)
+    ids = tuple(tokenizer.encode("What is the value of beta?"))
+    mine = GenerationRequest(prompt_ids=ids, max_new_tokens=12, seed=7)
+    others = [GenerationRequest(prompt_ids=ids[: 3 + i], max_new_tokens=20, seed=i) for i in range(5)]
+    alone = backend.generate_sync([mine])[0]
+    batched = backend.generate_sync([*others[:2], mine, *others[2:]])[2]
+    assert alone.token_ids == batched.token_ids
+    assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(batched.logprobs), atol=1e-5)
+    other_seed = backend.generate_sync([GenerationRequest(ids, 12, seed=8)])[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_tokens_end_a_completion(model: Any, tokenizer: Any) -> None:
+    backend = TorchBackend(model, tokenizer)
+    ids = tuple(tokenizer.encode("What is"))
+    every = tuple(range(len(tokenizer)))  # any token stops: one-token completions
+    out = backend.generate_sync([GenerationRequest(ids, 10, seed=1, stop_token_ids=every)])[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "stop"
+    out = backend.generate_sync([GenerationRequest(ids, 5, seed=1)])[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_first_pass_ratio_is_one(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer)
+    assert int(batch.loss_mask.sum()) > 0
+    metrics = Learner(model, AlgorithmConfig(), temperature=1.0).step(batch)
+    assert metrics["train/logprob_mismatch_max"] < 1e-4
+    assert metrics["train/clip_frac"] == 0.0
+
+
+def test_masked_tokens_get_exactly_zero_gradient(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    clean = grads_after_step(copy.deepcopy(model), batch)
+    # Garbage where the mask is 0 must not reach the gradient, not even as NaN.
+    poisoned_old = torch.where(batch.loss_mask, batch.old_logprobs, torch.nan)
+    poisoned = Batch(batch.input_ids, batch.attention_mask, batch.loss_mask, poisoned_old, batch.advantages)
+    dirty = grads_after_step(copy.deepcopy(model), poisoned)
+    assert clean.keys() == dirty.keys()
+    for name in clean:
+        assert torch.equal(clean[name], dirty[name]), name
+    # A fully masked extra row (a prompt with nothing sampled) changes nothing either.
+    pad_row = Batch(
+        torch.cat([batch.input_ids, batch.input_ids[:1]]),
+        torch.cat([batch.attention_mask, batch.attention_mask[:1]]),
+        torch.cat([batch.loss_mask, torch.zeros_like(batch.loss_mask[:1])]),
+        torch.cat([batch.old_logprobs, batch.old_logprobs[:1]]),
+        torch.cat([batch.advantages, torch.tensor([5.0])]),
+    )
+    padded = grads_after_step(copy.deepcopy(model), pad_row)
+    for name in clean:
+        assert torch.allclose(clean[name], padded[name], atol=1e-7), name
+
+
+def test_micro_batching_gives_the_same_gradient(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=3)
+    whole = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=64)
+    pieces = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=1)
+    for name in whole:
+        assert torch.allclose(whole[name], pieces[name], atol=1e-6), name

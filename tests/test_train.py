@@ -1,0 +1,116 @@
+"""The main job end to end on a very small budget: config errors, the run directory,
+reproducibility with the same seed, and resume after a stop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from turnrl.cli import main
+from turnrl.errors import ConfigError
+from turnrl.trainer.config import load_config
+from turnrl.trainer.loop import train
+
+SMALL = [
+    "steps=2",
+    "save_every=1",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.vocab_size=512",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_tokens_per_turn=24",
+    "warmup.steps=2",
+    "warmup.batch_size=4",
+    "eval.every=1",
+    "eval.num_tasks=4",
+]
+
+DESIGN_METRICS = [
+    "rollout/reward_mean",
+    "rollout/success_mean",
+    "rollout/reward_std_in_group",
+    "rollout/zero_variance_groups_frac",
+    "rollout/turns_mean",
+    "rollout/tool_calls_mean",
+    "rollout/tool_errors_frac",
+    "rollout/truncated_frac",
+    "rollout/template_breaks",
+    "loss/policy",
+    "loss/entropy",
+    "train/grad_norm",
+    "train/clip_frac",
+    "train/logprob_mismatch",
+    "perf/step_s",
+    "perf/rollout_s",
+    "perf/train_s",
+    "perf/tokens_per_s",
+]
+
+
+def rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in row.items() if not k.startswith("perf/") and k != "warmup/s"}
+
+
+def test_unknown_keys_and_bad_values_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.group_sise'.*group_size"):
+        load_config(None, ["rollout.group_sise=4"])
+    with pytest.raises(ConfigError, match="rollout.group_size must be int"):
+        load_config(None, ["rollout.group_size=four"])
+    with pytest.raises(ConfigError, match="algorithm.control must be one of"):
+        load_config(None, ["algorithm.control=maybe"])
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+        load_config(None, ["rollout.group_size=1"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["steps"])
+    with pytest.raises(ConfigError, match="no recipe 'nope'.*quickstart"):
+        load_config("nope")
+
+
+def test_env_options_are_checked_by_the_env(tmp_path: Path) -> None:
+    config = load_config(None, [*SMALL, "env.num_values=3"])
+    with pytest.raises(ConfigError, match="num_values"):
+        train(config, tmp_path / "run", progress=False)
+
+
+def test_cli_reports_errors_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--set", "nonsense.key=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("turnrl: error: unknown config key 'nonsense'")
+
+
+def test_run_directory_is_complete_and_reproducible(tmp_path: Path) -> None:
+    config = load_config(None, SMALL)
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(config, a, progress=False)
+    train(config, b, progress=False)
+    for name in ("config.json", "metrics.jsonl", "trajectories.jsonl", "checkpoints/latest"):
+        assert (a / name).is_file(), name
+    assert (a / "checkpoints" / "step_000002" / "model" / "config.json").is_file()
+    assert json.loads((a / "config.json").read_text())["rollout"]["group_size"] == 2
+    metrics = rows(a)
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    for name in DESIGN_METRICS:
+        assert all(name in r for r in metrics[1:]), name
+    assert [deterministic(r) for r in metrics] == [deterministic(r) for r in rows(b)]
+    trajectories = [json.loads(line) for line in (a / "trajectories.jsonl").read_text().splitlines()]
+    assert trajectories and all(t["turns"] for t in trajectories)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(config, a, progress=False)
+
+
+def test_resume_continues_the_same_run(tmp_path: Path) -> None:
+    four = load_config(None, [*SMALL, "steps=4"])
+    straight = tmp_path / "straight"
+    train(four, straight, progress=False)
+    stopped = tmp_path / "stopped"
+    train(load_config(None, SMALL), stopped, progress=False)  # stops after step 2
+    train(four, stopped, resume=True, progress=False)
+    assert [deterministic(r) for r in rows(stopped)] == [deterministic(r) for r in rows(straight)]
