@@ -26,18 +26,31 @@ SPEC = SecretLookup()
 def rollout_batch(model: Any, tokenizer: Any, *, tasks: int = 4, group: int = 4) -> Batch:
     backend = TorchBackend(model, tokenizer)
     spec = GroupSpec(
-        group, EpisodeLimits(max_tokens_per_turn=24), SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=3
+        group,
+        EpisodeLimits(max_tokens_per_turn=24),
+        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)),
+        seed=3,
     )
     groups = asyncio.run(
-        collect_groups([SPEC.task(i) for i in range(tasks)], SPEC.make_env, backend, ChatRenderer(tokenizer), spec)
+        collect_groups(
+            [SPEC.task(i) for i in range(tasks)],
+            SPEC.make_env,
+            backend,
+            ChatRenderer(tokenizer),
+            spec,
+        )
     )
     samples = [s for g in groups for t in g for s in t.samples()]
     advantages = [float((-1) ** i) * 0.5 for i in range(len(samples))]
     return pack(samples, advantages, backend.pad_id)
 
 
-def grads_after_step(model: Any, batch: Batch, micro_batch_size: int = 64) -> dict[str, torch.Tensor]:
-    learner = Learner(model, AlgorithmConfig(lr=1e-3, micro_batch_size=micro_batch_size), temperature=1.0)
+def grads_after_step(
+    model: Any, batch: Batch, micro_batch_size: int = 64
+) -> dict[str, torch.Tensor]:
+    learner = Learner(
+        model, AlgorithmConfig(lr=1e-3, micro_batch_size=micro_batch_size), temperature=1.0
+    )
     learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # keep grads, skip the update
     learner.step(batch)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -47,7 +60,9 @@ def test_a_request_samples_the_same_alone_or_in_a_batch(model: Any, tokenizer: A
     backend = TorchBackend(model, tokenizer)
     ids = tuple(tokenizer.encode("What is the value of beta?"))
     mine = GenerationRequest(prompt_ids=ids, max_new_tokens=12, seed=7)
-    others = [GenerationRequest(prompt_ids=ids[: 3 + i], max_new_tokens=20, seed=i) for i in range(5)]
+    others = [
+        GenerationRequest(prompt_ids=ids[: 3 + i], max_new_tokens=20, seed=i) for i in range(5)
+    ]
     alone = backend.generate_sync([mine])[0]
     batched = backend.generate_sync([*others[:2], mine, *others[2:]])[2]
     assert alone.token_ids == batched.token_ids
@@ -61,9 +76,11 @@ def test_stop_tokens_end_a_completion(model: Any, tokenizer: Any) -> None:
     ids = tuple(tokenizer.encode("What is"))
     every = tuple(range(len(tokenizer)))  # any token stops: one-token completions
     out = backend.generate_sync([GenerationRequest(ids, 10, seed=1, stop_token_ids=every)])[0]
-    assert len(out.token_ids) == 1 and out.finish_reason == "stop"
+    assert len(out.token_ids) == 1
+    assert out.finish_reason == "stop"
     out = backend.generate_sync([GenerationRequest(ids, 5, seed=1)])[0]
-    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert len(out.token_ids) == 5
+    assert out.finish_reason == "length"
 
 
 def test_first_pass_ratio_is_one(model: Any, tokenizer: Any) -> None:
@@ -79,7 +96,9 @@ def test_masked_tokens_get_exactly_zero_gradient(model: Any, tokenizer: Any) -> 
     clean = grads_after_step(copy.deepcopy(model), batch)
     # Garbage where the mask is 0 must not reach the gradient, not even as NaN.
     poisoned_old = torch.where(batch.loss_mask, batch.old_logprobs, torch.nan)
-    poisoned = Batch(batch.input_ids, batch.attention_mask, batch.loss_mask, poisoned_old, batch.advantages)
+    poisoned = Batch(
+        batch.input_ids, batch.attention_mask, batch.loss_mask, poisoned_old, batch.advantages
+    )
     dirty = grads_after_step(copy.deepcopy(model), poisoned)
     assert clean.keys() == dirty.keys()
     for name in clean:

@@ -54,7 +54,9 @@ def play(
 
 def test_loss_mask_is_one_exactly_on_sampled_tokens(tokenizer: Any) -> None:
     traj, _ = play(tokenizer, [CALL, TASK.answer])
-    assert traj.success and traj.stop_reason == "answered" and traj.reward == 1.0
+    assert traj.success
+    assert traj.stop_reason == "answered"
+    assert traj.reward == 1.0
     [sample] = traj.samples()
     sampled = [t for turn in traj.turns for t in turn.completion_ids]
     assert [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m] == sampled
@@ -63,7 +65,8 @@ def test_loss_mask_is_one_exactly_on_sampled_tokens(tokenizer: Any) -> None:
     for turn in traj.turns:
         pos += len(turn.prompt_ids)
         n = len(turn.completion_ids)
-        assert sample.loss_mask[pos - 1] == 0 and all(sample.loss_mask[pos : pos + n])
+        assert sample.loss_mask[pos - 1] == 0
+        assert all(sample.loss_mask[pos : pos + n])
         assert list(sample.input_ids[pos : pos + n]) == list(turn.completion_ids)
         pos += n
     assert sum(sample.loss_mask) == len(sampled)
@@ -88,15 +91,18 @@ def test_each_turn_context_starts_with_all_previous_tokens(tokenizer: Any) -> No
         after = list(backend.requests[k + 1].prompt_ids)
         assert after[: len(before)] == before
         assert len(after) > len(before)
-    assert traj.template_breaks == 0 and len(traj.samples()) == 1
+    assert traj.template_breaks == 0
+    assert len(traj.samples()) == 1
 
 
 def test_tool_exception_becomes_an_observation(tokenizer: Any) -> None:
     bad = get_format("hermes").render_call(ToolCall("lookup", {"key": "no-such-key"}))
     traj, backend = play(tokenizer, [bad, TASK.answer])
-    assert traj.stop_reason == "answered" and traj.error is None
+    assert traj.stop_reason == "answered"
+    assert traj.error is None
     [record] = traj.tool_calls
-    assert not record.ok and "no key 'no-such-key'" in (record.error or "")
+    assert not record.ok
+    assert "no key 'no-such-key'" in (record.error or "")
     shown = tokenizer.decode(backend.requests[1].prompt_ids)
     assert "LookupError: no key 'no-such-key' in the table" in shown
 
@@ -108,19 +114,24 @@ def test_unknown_tool_and_malformed_call_become_observations(tokenizer: Any) -> 
     assert traj.stop_reason == "answered"
     second = tokenizer.decode(backend.requests[1].prompt_ids)
     third = tokenizer.decode(backend.requests[2].prompt_ids)
-    assert "unknown tool 'search'" in second and "lookup" in second
+    assert "unknown tool 'search'" in second
+    assert "lookup" in second
     assert "invalid JSON" in third
 
 
 def test_max_turns_is_recorded(tokenizer: Any) -> None:
     traj, _ = play(tokenizer, [CALL] * 3, limits=EpisodeLimits(max_turns=3))
-    assert traj.truncated and not traj.terminated and traj.stop_reason == "max_turns"
-    assert len(traj.turns) == 3 and traj.reward == 0.0
+    assert traj.truncated
+    assert not traj.terminated
+    assert traj.stop_reason == "max_turns"
+    assert len(traj.turns) == 3
+    assert traj.reward == 0.0
 
 
 def test_max_tokens_per_turn_is_recorded(tokenizer: Any) -> None:
     traj, _ = play(tokenizer, ["word " * 50], limits=EpisodeLimits(max_tokens_per_turn=8))
-    assert traj.stop_reason == "max_tokens_per_turn" and traj.truncated
+    assert traj.stop_reason == "max_tokens_per_turn"
+    assert traj.truncated
     assert len(traj.turns[0].completion_ids) == 8
     assert traj.turns[0].finish_reason == "length"
 
@@ -129,26 +140,32 @@ def test_max_episode_tokens_is_recorded(tokenizer: Any) -> None:
     n_call = len(tokenizer.encode(CALL, add_special_tokens=False)) + 1
     limits = EpisodeLimits(max_tokens_per_turn=64, max_episode_tokens=n_call + 1)
     traj, _ = play(tokenizer, [CALL, "a longer answer than one token"], limits=limits)
-    assert traj.stop_reason == "max_episode_tokens" and traj.truncated
+    assert traj.stop_reason == "max_episode_tokens"
+    assert traj.truncated
     assert traj.num_completion_tokens == n_call + 1
 
 
 def test_max_context_is_recorded(tokenizer: Any) -> None:
     traj, _ = play(tokenizer, [CALL, CALL], limits=EpisodeLimits(max_context_tokens=10))
-    assert traj.stop_reason == "max_context" and traj.turns == []
+    assert traj.stop_reason == "max_context"
+    assert traj.turns == []
 
 
 def test_backend_failure_is_recorded_not_raised(tokenizer: Any) -> None:
     traj, _ = play(tokenizer, [])  # the scripted backend has nothing to say: it raises
-    assert traj.stop_reason == "error" and traj.error is not None
-    assert "IndexError" in traj.error and not traj.truncated and not traj.terminated
+    assert traj.stop_reason == "error"
+    assert traj.error is not None
+    assert "IndexError" in traj.error
+    assert not traj.truncated
+    assert not traj.terminated
 
 
 def test_template_break_starts_a_new_sample(tokenizer: Any) -> None:
     # A template that hides the content of earlier assistant turns (as reasoning-stripping
     # templates do) cannot be continued token-exactly: the episode splits into samples.
     hiding = tokenizer.chat_template.replace(
-        "{{- message.content }}", "{{- message.content if loop.last or message.role != 'assistant' else '(hidden)' }}"
+        "{{- message.content }}",
+        "{{- message.content if loop.last or message.role != 'assistant' else '(hidden)' }}",
     )
     if hiding == tokenizer.chat_template:
         pytest.skip("the template's layout changed; update the substitution")

@@ -60,23 +60,23 @@ def deterministic(row: dict[str, float]) -> dict[str, float]:
 
 
 def test_unknown_keys_and_bad_values_are_clear_errors() -> None:
-    with pytest.raises(ConfigError, match="unknown config key 'rollout.group_sise'.*group_size"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.group_sise'.*group_size"):
         load_config(None, ["rollout.group_sise=4"])
-    with pytest.raises(ConfigError, match="rollout.group_size must be int"):
+    with pytest.raises(ConfigError, match=r"rollout.group_size must be int"):
         load_config(None, ["rollout.group_size=four"])
-    with pytest.raises(ConfigError, match="algorithm.control must be one of"):
+    with pytest.raises(ConfigError, match=r"algorithm.control must be one of"):
         load_config(None, ["algorithm.control=maybe"])
-    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+    with pytest.raises(ConfigError, match=r"group_size must be >= 2"):
         load_config(None, ["rollout.group_size=1"])
-    with pytest.raises(ConfigError, match="key=value"):
+    with pytest.raises(ConfigError, match=r"key=value"):
         load_config(None, ["steps"])
-    with pytest.raises(ConfigError, match="no recipe 'nope'.*quickstart"):
+    with pytest.raises(ConfigError, match=r"no recipe 'nope'.*quickstart"):
         load_config("nope")
 
 
 def test_env_options_are_checked_by_the_env(tmp_path: Path) -> None:
     config = load_config(None, [*SMALL, "env.num_values=3"])
-    with pytest.raises(ConfigError, match="num_values"):
+    with pytest.raises(ConfigError, match=r"num_values"):
         train(config, tmp_path / "run", progress=False)
 
 
@@ -100,9 +100,12 @@ def test_run_directory_is_complete_and_reproducible(tmp_path: Path) -> None:
     for name in DESIGN_METRICS:
         assert all(name in r for r in metrics[1:]), name
     assert [deterministic(r) for r in metrics] == [deterministic(r) for r in rows(b)]
-    trajectories = [json.loads(line) for line in (a / "trajectories.jsonl").read_text().splitlines()]
-    assert trajectories and all(t["turns"] for t in trajectories)
-    with pytest.raises(ConfigError, match="already holds a run"):
+    trajectories = [
+        json.loads(line) for line in (a / "trajectories.jsonl").read_text().splitlines()
+    ]
+    assert trajectories
+    assert all(t["turns"] for t in trajectories)
+    with pytest.raises(ConfigError, match=r"already holds a run"):
         train(config, a, progress=False)
 
 

@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--num-heads", type=int, default=4)
     init.add_argument("--vocab-size", type=int, default=2048)
     init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--env", default="secret_lookup", help="add this env's text to the tokenizer corpus")
+    init.add_argument(
+        "--env", default="secret_lookup", help="add this env's text to the tokenizer corpus"
+    )
     init.add_argument("--overwrite", action="store_true")
     init.set_defaults(run=_init_model)
 

@@ -216,4 +216,3 @@ class Trajectory:
         ]
         d["tool_calls"] = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
         return cls(**d)
-

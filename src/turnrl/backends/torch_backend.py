@@ -73,7 +73,9 @@ class TorchBackend:
         finally:
             self.model.train(was_training)
 
-    def _decode(self, requests: Sequence[GenerationRequest], device: torch.device) -> list[Completion]:
+    def _decode(
+        self, requests: Sequence[GenerationRequest], device: torch.device
+    ) -> list[Completion]:
         B = len(requests)
         lengths = [len(r.prompt_ids) for r in requests]
         if min(lengths) == 0:

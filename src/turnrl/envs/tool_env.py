@@ -56,7 +56,9 @@ class ToolEnv:
         self.num_tool_calls = 0
         system = self.system_prompt or ""
         if not self.format.template_tools and self.tools.names:
-            system = "\n\n".join(s for s in (system, self.format.system_prompt(self.tools.schemas())) if s)
+            system = "\n\n".join(
+                s for s in (system, self.format.system_prompt(self.tools.schemas())) if s
+            )
         head: list[Message] = [{"role": "system", "content": system}] if system else []
         return head + [dict(m) for m in task.prompt]
 
@@ -65,7 +67,9 @@ class ToolEnv:
             raise RuntimeError("step() called before reset()")
         parsed = self.format.parse(action)
         if parsed.errors:
-            return StepResult(observation=tuple(error_observation(parsed.errors)), info={"format_error": True})
+            return StepResult(
+                observation=tuple(error_observation(parsed.errors)), info={"format_error": True}
+            )
         if parsed.tool_calls:
             return await self._run_calls(parsed.tool_calls)
         verdict = self.verifier(self.task, parsed.answer or "")
@@ -78,7 +82,9 @@ class ToolEnv:
         for call in calls:
             if self.max_tool_calls is not None and self.num_tool_calls >= self.max_tool_calls:
                 text = f"Error: tool budget exhausted ({self.max_tool_calls} calls per episode); answer now."
-                records.append(ToolCallRecord(call.name, dict(call.arguments), 0.0, False, "budget"))
+                records.append(
+                    ToolCallRecord(call.name, dict(call.arguments), 0.0, False, "budget")
+                )
             else:
                 result, record = await self.tools.run(call)
                 text = result.content if result.ok else f"Error: {result.error}"

@@ -126,6 +126,8 @@ class Config:
     """Run seed; every sample's seed derives from it."""
     steps: int = 60
     """RL steps."""
+    max_minutes: float = 0.0
+    """Stop after the step that crosses this wall-clock budget (0: no budget)."""
     threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
     save_every: int = 50
@@ -155,6 +157,7 @@ class Config:
             (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
             (self.eval.every >= 1, "eval.every must be >= 1"),
             (self.save_every >= 1, "save_every must be >= 1"),
+            (self.max_minutes >= 0.0, "max_minutes must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -172,7 +175,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...
         if not sep or not key.strip():
             raise ConfigError(f"--set expects key=value, got {item!r}")
         _assign(data, key.strip().split("."), _parse_value(raw.strip()))
-    return build(Config, data, "")
+    config: Config = build(Config, data, "")
+    return config
 
 
 def read_recipe(recipe: str) -> dict[str, Any]:
@@ -227,7 +231,7 @@ def build(cls: type[Any], data: Any, where: str) -> Any:
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, path)
     origin = typing.get_origin(tp)
     if origin is Literal:

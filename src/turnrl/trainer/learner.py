@@ -85,7 +85,7 @@ class Learner:
             micro = list(batch)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = sum(mb.loss_mask.sum() for mb in micro).clamp(min=1).float()
+        num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
         num_sequences = sum(mb.num_sequences for mb in micro)
         totals = {"loss": 0.0, "entropy": 0.0, "clipped": 0.0, "abs_gap": 0.0, "max_gap": 0.0}
         for mb in micro:
@@ -101,7 +101,7 @@ class Learner:
                 eps_high=cfg.eps_high,
             )
             loss = token_mean(out.per_token_loss, mb.loss_mask, num_tokens)
-            loss.backward()
+            torch.autograd.backward(loss)
             with torch.no_grad():
                 gap = torch.where(mb.loss_mask, (logprobs - mb.old_logprobs).abs(), 0.0)
                 share = mb.loss_mask.sum() / num_tokens

@@ -92,9 +92,10 @@ def train(
     renderer = ChatRenderer(tokenizer)
 
     result = RunResult(run_dir)
-    with (run_dir / "metrics.jsonl").open("a") as metrics_out, (
-        run_dir / "trajectories.jsonl"
-    ).open("a") as traj_out:
+    with (
+        (run_dir / "metrics.jsonl").open("a") as metrics_out,
+        (run_dir / "trajectories.jsonl").open("a") as traj_out,
+    ):
 
         def emit(row: Row) -> None:
             metrics_out.write(json.dumps(row) + "\n")
@@ -116,9 +117,7 @@ def train(
         def evaluate() -> Row:
             tasks = [spec.task(i, split="test") for i in range(config.eval.num_tasks)]
             eval_spec = GroupSpec(1, limits, sampling, seed=derive_seed(config.seed, "eval"))
-            groups = asyncio.run(
-                collect_groups(tasks, spec.make_env, backend, renderer, eval_spec)
-            )
+            groups = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, eval_spec))
             metrics = rollout_metrics(groups)
             return {
                 "eval/success_mean": metrics["rollout/success_mean"],
@@ -133,19 +132,28 @@ def train(
             range(start, config.steps), desc="train", disable=not progress, initial=start,
             total=config.steps,
         )  # fmt: skip
+        started = time.perf_counter()
         for step in bar:
             row = _train_step(config, step, spec, backend, learner, renderer, limits,
                               sampling, traj_out)  # fmt: skip
             done = step + 1
-            if done % config.eval.every == 0 or done == config.steps:
+            out_of_time = (
+                config.max_minutes > 0 and time.perf_counter() - started > 60 * config.max_minutes
+            )
+            last = done == config.steps or out_of_time
+            if done % config.eval.every == 0 or last:
                 row.update(evaluate())
+            row["time/elapsed_s"] = time.perf_counter() - started
             emit(row)
             bar.set_postfix(
-                success=f"{row['rollout/success_mean']:.2f}", reward=f"{row['rollout/reward_mean']:.2f}"
+                success=f"{row['rollout/success_mean']:.2f}",
+                reward=f"{row['rollout/reward_mean']:.2f}",
             )
-            if done % config.save_every == 0 or done == config.steps:
+            if done % config.save_every == 0 or last:
                 state = TrainerState(step=done, policy_version=backend.policy_version)
                 save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
+            if out_of_time:
+                break
         if config.steps == 0 or start >= config.steps:
             state = TrainerState(step=start, policy_version=backend.policy_version)
             save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)

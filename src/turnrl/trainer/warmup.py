@@ -77,7 +77,7 @@ def supervised_warmup(
         logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, mask, 1.0)
         loss = -torch.where(mask, logprobs, 0.0).sum() / mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
