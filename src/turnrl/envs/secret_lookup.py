@@ -84,10 +84,10 @@ class SecretLookup:
         table: dict[str, str] = dict(task.metadata["table"])
 
         async def lookup(key: str) -> str:
-            """Return the value stored under a key of the hidden table.
+            """Look up a key.
 
             Args:
-                key: The key to look up.
+                key: The key.
             """
             if key not in table:
                 raise LookupError(f"no key {key!r} in the table")

@@ -41,11 +41,9 @@ from turnrl.errors import ConfigError
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content }}"
-    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
-    "{{- '\\n\\n# Tools\\n\\nCall a tool by replying with\\n<tool_call>\\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}'
-    "\\n</tool_call>\\n\\n<tools>' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools><|im_end|>\\n' }}"
     "{%- endif %}"
