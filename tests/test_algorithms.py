@@ -47,6 +47,7 @@ def test_public_api_is_pinned() -> None:
         "clipped_policy_loss",
         "group_reward_std",
         "grpo_advantages",
+        "kl_k3",
         "masked_mean",
         "masked_sum",
         "policy_ratio",
@@ -651,3 +652,30 @@ def naive_clipped_loss(batch: Batch) -> list[list[float]]:
 def test_clipped_loss_matches_naive_loop(batch: Batch) -> None:
     out, _, _ = batch.loss()
     torch.testing.assert_close(out.per_token_loss, t(naive_clipped_loss(batch)))
+
+
+# --- KL to a reference policy: ALGORITHMS.md vectors -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pi_theta", "pi_ref", "expected"),
+    [(0.5, 0.25, 0.193147), (0.25, 0.5, 0.306853), (0.3, 0.3, 0.0)],
+)
+def test_kl_k3_vectors(pi_theta: float, pi_ref: float, expected: float) -> None:
+    logp = torch.tensor([[math.log(pi_theta)]], dtype=F64)
+    ref = torch.tensor([[math.log(pi_ref)]], dtype=F64)
+    value = turnrl.algorithms.kl_k3(logp, ref, torch.ones_like(logp, dtype=torch.bool))
+    assert value.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_kl_k3_is_zero_and_gradient_free_where_masked() -> None:
+    logp = torch.tensor([[-1.0, float("nan"), -2.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.5, float("inf"), -0.5]], dtype=F64)
+    mask = torch.tensor([[True, False, True]])
+    kl = turnrl.algorithms.kl_k3(logp, ref, mask)
+    assert kl[0, 1].item() == 0.0
+    assert torch.isfinite(kl).all()
+    kl.sum().backward()
+    assert logp.grad is not None
+    assert logp.grad[0, 1].item() == 0.0
+    assert torch.isfinite(logp.grad).all()

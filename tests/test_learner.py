@@ -122,3 +122,14 @@ def test_micro_batching_gives_the_same_gradient(model: Any, tokenizer: Any) -> N
     pieces = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=1)
     for name in whole:
         assert torch.allclose(whole[name], pieces[name], atol=1e-6), name
+
+
+def test_reference_model_exists_only_with_a_kl_coefficient(model: Any, tokenizer: Any) -> None:
+    assert Learner(model, AlgorithmConfig(), temperature=1.0).ref_model is None
+    learner = Learner(model, AlgorithmConfig(kl_coef=0.1, lr=1e-2), temperature=1.0)
+    assert learner.ref_model is not None
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    first = learner.step(batch)
+    assert abs(first["loss/kl"]) < 1e-6  # the policy is still the reference
+    second = learner.step(batch)
+    assert second["loss/kl"] > 0.0  # one large step later they differ

@@ -191,3 +191,15 @@ def clip_fraction(out: PolicyLossOutput, loss_mask: Tensor) -> Tensor:
     the "Echo Trap" monitors watch it (ALGORITHMS.md, "Monitors").
     """
     return masked_mean(out.clipped.to(out.ratio.dtype), loss_mask)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """Schulman's k3 estimate of KL(pi || pi_ref) per token: exp(d) - 1 - d, d = ref - logp.
+
+    Unbiased, non-negative and low-variance (ALGORITHMS.md, "KL to a reference policy").
+    Exactly 0 where ``loss_mask`` is False; masking uses torch.where, so inf/NaN there
+    cannot leak into the value or the gradient.
+    """
+    mask = loss_mask.bool()
+    d = torch.where(mask, ref_logprobs, 0.0) - torch.where(mask, logprobs, 0.0)
+    return torch.where(mask, torch.exp(d) - 1.0 - d, 0.0)

@@ -88,6 +88,9 @@ class AlgorithmConfig:
     """PPO clip: lower bound 1 - eps_low."""
     eps_high: float = 0.2
     """PPO clip: upper bound 1 + eps_high (DAPO's clip-higher uses 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference policy (the policy when RL starts),
+    added to the loss; 0 loads no reference model."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to the whole batch."""
     control: Literal["none", "shuffled_rewards"] = "none"
@@ -154,6 +157,7 @@ class Config:
             (self.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size must be >= 1"),
             (0.0 <= self.algorithm.eps_low < 1.0, "algorithm.eps_low must be in [0, 1)"),
             (self.algorithm.eps_high >= 0.0, "algorithm.eps_high must be >= 0"),
+            (self.algorithm.kl_coef >= 0.0, "algorithm.kl_coef must be >= 0"),
             (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
             (self.eval.every >= 1, "eval.every must be >= 1"),
             (self.save_every >= 1, "save_every must be >= 1"),

@@ -8,12 +8,13 @@ logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from turnrl.algorithms import clipped_policy_loss, masked_mean, token_mean
+from turnrl.algorithms import clipped_policy_loss, kl_k3, masked_mean, token_mean
 from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.types import Sample
@@ -50,12 +51,19 @@ def token_logprobs(
 
 
 class Learner:
-    """Owns the optimizer; ``step`` applies one update from one batch."""
+    """Owns the optimizer; ``step`` applies one update from one batch.
+
+    With ``kl_coef > 0`` a frozen copy of the model as it is now becomes the reference
+    policy; otherwise no reference model exists.
+    """
 
     def __init__(self, model: Any, config: AlgorithmConfig, *, temperature: float) -> None:
         self.model = model
         self.config = config
         self.temperature = temperature
+        self.ref_model: Any = None
+        if config.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -87,7 +95,14 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
         num_sequences = sum(mb.num_sequences for mb in micro)
-        totals = {"loss": 0.0, "entropy": 0.0, "clipped": 0.0, "abs_gap": 0.0, "max_gap": 0.0}
+        totals = {
+            "loss": 0.0,
+            "kl": 0.0,
+            "entropy": 0.0,
+            "clipped": 0.0,
+            "abs_gap": 0.0,
+            "max_gap": 0.0,
+        }
         for mb in micro:
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature
@@ -101,11 +116,20 @@ class Learner:
                 eps_high=cfg.eps_high,
             )
             loss = token_mean(out.per_token_loss, mb.loss_mask, num_tokens)
+            totals["loss"] += float(loss.detach())
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = token_logprobs(
+                        self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
+                        self.temperature,
+                    )  # fmt: skip
+                kl = token_mean(kl_k3(logprobs, ref, mb.loss_mask), mb.loss_mask, num_tokens)
+                loss = loss + cfg.kl_coef * kl
+                totals["kl"] += float(kl.detach())
             torch.autograd.backward(loss)
             with torch.no_grad():
                 gap = torch.where(mb.loss_mask, (logprobs - mb.old_logprobs).abs(), 0.0)
                 share = mb.loss_mask.sum() / num_tokens
-                totals["loss"] += float(loss)
                 totals["entropy"] += float(masked_mean(entropy, mb.loss_mask) * share)
                 totals["clipped"] += float(masked_mean(out.clipped.float(), mb.loss_mask) * share)
                 totals["abs_gap"] += float(gap.sum() / num_tokens)
@@ -115,6 +139,7 @@ class Learner:
         return {
             "loss/policy": totals["loss"],
             "loss/entropy": totals["entropy"],
+            "loss/kl": totals["kl"],
             "train/grad_norm": float(grad_norm),
             "train/clip_frac": totals["clipped"],
             "train/logprob_mismatch": totals["abs_gap"],
