@@ -39,7 +39,7 @@ def run_one(label: str, overrides: list[str], minutes: float, runs: Path) -> dic
     result = train(config, run_dir, progress=False)
     wall = time.perf_counter() - t0
     curve = [
-        (int(r["step"]), float(r.get("time/elapsed_s", 0.0)), float(r["eval/success_mean"]))
+        (int(r["step"]), float(r.get("perf/elapsed_s", 0.0)), float(r["eval/success_mean"]))
         for r in result.rows
         if "eval/success_mean" in r
     ]

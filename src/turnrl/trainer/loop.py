@@ -143,7 +143,7 @@ def train(
             last = done == config.steps or out_of_time
             if done % config.eval.every == 0 or last:
                 row.update(evaluate())
-            row["time/elapsed_s"] = time.perf_counter() - started
+            row["perf/elapsed_s"] = time.perf_counter() - started
             emit(row)
             bar.set_postfix(
                 success=f"{row['rollout/success_mean']:.2f}",
