@@ -22,14 +22,14 @@ from turnrl.types import Completion, GenerationRequest, Task, Trajectory
 class BatchingClient:
     """Coalesces single requests from concurrent episodes into batched backend calls.
 
-    A batch is sent as soon as every live episode is waiting for the model, or after
-    ``max_wait_s`` when some are busy elsewhere (in a slow tool), so a slow tool delays
-    nobody for long. Requests inside a batch are ordered by arrival.
+    A batch is sent as soon as every live episode is waiting for the model, or when the
+    others stop making progress (they wait on a slow tool), so a slow tool delays nobody.
+    Requests inside a batch are ordered by arrival.
     """
 
-    def __init__(self, backend: Backend, *, max_wait_s: float = 0.01) -> None:
+    def __init__(self, backend: Backend, *, patience: int = 64) -> None:
         self.backend = backend
-        self.max_wait_s = max_wait_s
+        self.patience = patience
         self.live = 0
         self.num_batches = 0
         self._pending: list[tuple[GenerationRequest, asyncio.Future[Completion]]] = []
@@ -43,13 +43,15 @@ class BatchingClient:
         return await future
 
     async def _flush(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_s
-        # Let runnable episodes reach their next request before sending the batch.
-        for _ in range(3):
+        # Let the other episodes reach their next request. Counting loop turns rather than
+        # seconds keeps batches (and so results) the same under any machine load, as long as
+        # tools answer without real waiting; an episode that makes no progress for
+        # ``patience`` turns is busy elsewhere (a slow tool) and is not waited for.
+        idle = 0
+        while len(self._pending) < self.live and idle < self.patience:
+            before = len(self._pending)
             await asyncio.sleep(0)
-        while len(self._pending) < self.live and loop.time() < deadline:
-            await asyncio.sleep(0.001)
+            idle = 0 if len(self._pending) > before else idle + 1
         batch, self._pending = self._pending, []
         self.num_batches += 1
         try:
