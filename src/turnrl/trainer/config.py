@@ -91,6 +91,8 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate to the reference policy (the policy when RL starts),
     added to the loss; 0 loads no reference model."""
+    epochs: int = 1
+    """Optimizer steps per rollout batch (PPO epochs); the first is on-policy."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to the whole batch."""
     control: Literal["none", "shuffled_rewards"] = "none"
@@ -158,6 +160,7 @@ class Config:
             (0.0 <= self.algorithm.eps_low < 1.0, "algorithm.eps_low must be in [0, 1)"),
             (self.algorithm.eps_high >= 0.0, "algorithm.eps_high must be >= 0"),
             (self.algorithm.kl_coef >= 0.0, "algorithm.kl_coef must be >= 0"),
+            (self.algorithm.epochs >= 1, "algorithm.epochs must be >= 1"),
             (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
             (self.eval.every >= 1, "eval.every must be >= 1"),
             (self.save_every >= 1, "save_every must be >= 1"),

@@ -92,17 +92,32 @@ class Learner:
         else:
             micro = list(batch)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
         num_sequences = sum(mb.num_sequences for mb in micro)
-        totals = {
-            "loss": 0.0,
-            "kl": 0.0,
-            "entropy": 0.0,
-            "clipped": 0.0,
-            "abs_gap": 0.0,
-            "max_gap": 0.0,
+        # Pass 0 is on-policy: its ratio is 1 and its log-prob gap is the sampler/learner
+        # mismatch. Further passes (``epochs`` > 1) reuse the batch; the clip bounds them.
+        passes = [self._pass(micro, num_tokens) for _ in range(cfg.epochs)]
+        totals, grad_norm = passes[0]
+        clipped = sum(t["clipped"] for t, _ in passes) / len(passes)
+        return {
+            "loss/policy": totals["loss"],
+            "loss/entropy": totals["entropy"],
+            "loss/kl": totals["kl"],
+            "train/grad_norm": grad_norm,
+            "train/clip_frac": clipped,
+            "train/logprob_mismatch": totals["abs_gap"],
+            "train/logprob_mismatch_max": totals["max_gap"],
+            "train/num_tokens": float(num_tokens),
+            "train/num_sequences": float(num_sequences),
         }
+
+    def _pass(
+        self, micro: Sequence[Batch], num_tokens: torch.Tensor
+    ) -> tuple[dict[str, float], float]:
+        """One optimizer step over all micro-batches; returns its totals and grad norm."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = dict.fromkeys(("loss", "kl", "entropy", "clipped", "abs_gap", "max_gap"), 0.0)
         for mb in micro:
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature
@@ -136,14 +151,4 @@ class Learner:
                 totals["max_gap"] = max(totals["max_gap"], float(gap.max()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
-        return {
-            "loss/policy": totals["loss"],
-            "loss/entropy": totals["entropy"],
-            "loss/kl": totals["kl"],
-            "train/grad_norm": float(grad_norm),
-            "train/clip_frac": totals["clipped"],
-            "train/logprob_mismatch": totals["abs_gap"],
-            "train/logprob_mismatch_max": totals["max_gap"],
-            "train/num_tokens": float(num_tokens),
-            "train/num_sequences": float(num_sequences),
-        }
+        return totals, float(grad_norm)
