@@ -133,3 +133,11 @@ def test_reference_model_exists_only_with_a_kl_coefficient(model: Any, tokenizer
     assert abs(first["loss/kl"]) < 1e-6  # the policy is still the reference
     second = learner.step(batch)
     assert second["loss/kl"] > 0.0  # one large step later they differ
+
+
+def test_later_epochs_reuse_the_batch_under_the_clip(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    config = AlgorithmConfig(epochs=3, lr=5e-2, eps_low=0.01, eps_high=0.01)
+    metrics = Learner(model, config, temperature=1.0).step(batch)
+    assert metrics["train/logprob_mismatch_max"] < 1e-4  # pass 0 is still on-policy
+    assert metrics["train/clip_frac"] > 0.0  # passes 1 and 2 moved past the clip range

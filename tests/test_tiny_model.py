@@ -324,3 +324,16 @@ def test_missing_pad_token_becomes_eos(tmp_path: Path) -> None:
     config_file.write_text(json.dumps(config))
     tokenizer = load_tokenizer(path)
     assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+
+
+def test_echo_tuning_teaches_generic_copying(tmp_path: Path) -> None:
+    from turnrl.models.pretrain import echo_chats
+
+    chats = echo_chats(["tulip", "river"], 20, seed=0)
+    assert all(c[1]["content"] in c[0]["content"] for c in chats)  # the reply is in the prompt
+    assert not any("tool" in m["content"] for c in chats for m in c)  # no tool use in it
+    out = build_tiny_model(
+        tmp_path / "m", TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, echo_steps=30)
+    )
+    info = json.loads((out / "turnrl_model.json").read_text())
+    assert info["echo_loss_last"] < info["echo_loss_first"]

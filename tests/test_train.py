@@ -20,6 +20,7 @@ SMALL = [
     "model.num_layers=1",
     "model.num_heads=2",
     "model.vocab_size=512",
+    "model.echo_steps=0",
     "rollout.prompts_per_step=2",
     "rollout.group_size=2",
     "rollout.max_tokens_per_turn=24",

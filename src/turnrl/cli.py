@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--vocab-size", type=int, default=2048)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument(
+        "--echo-steps", type=int, default=2500,
+        help="generic 'repeat what was said' tuning steps (in-context copying); 0: random",
+    )  # fmt: skip
+    init.add_argument(
         "--env", default="secret_lookup", help="add this env's text to the tokenizer corpus"
     )
     init.add_argument("--overwrite", action="store_true")
@@ -100,6 +104,7 @@ def _init_model(args: argparse.Namespace) -> int:
     config = TinyModelConfig(
         arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_heads=args.num_heads, vocab_size=args.vocab_size, seed=args.seed,
+        echo_steps=args.echo_steps,
     )  # fmt: skip
     corpus = make_env_spec(args.env).corpus() if args.env else []
     path = build_tiny_model(args.out, config, extra_corpus=corpus, overwrite=args.overwrite)

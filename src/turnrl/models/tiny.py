@@ -37,6 +37,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from turnrl.errors import ConfigError
+from turnrl.models.pretrain import pretrain_echo
 
 CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -123,6 +124,10 @@ class TinyModelConfig:
     values out of a tool response) is then easy to learn, and parameters are saved."""
     seed: int = 0
     """Seed of the weight initialisation (the tokenizer is a pure function of its corpus)."""
+    echo_steps: int = 0
+    """Steps of generic "repeat what was said" instruction tuning after initialisation
+    (``turnrl.models.pretrain``): gives the model the in-context copying that real base
+    models have. 0 leaves the model random (fast, for tests)."""
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCHS:
@@ -139,6 +144,8 @@ class TinyModelConfig:
                 raise ConfigError(
                     f"TinyModelConfig.{name} must be positive, got {getattr(self, name)}"
                 )
+        if self.echo_steps < 0:
+            raise ConfigError(f"TinyModelConfig.echo_steps must be >= 0, got {self.echo_steps}")
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ConfigError(
                 f"TinyModelConfig.vocab_size must be at least {256 + len(SPECIAL_TOKENS)} "
@@ -371,6 +378,11 @@ def build_tiny_model(
     )
     model = _init_model(config, tokenizer)
     num_parameters = sum(p.numel() for p in model.parameters())
+    echo_losses = (
+        pretrain_echo(model, tokenizer, _WORDS, steps=config.echo_steps, seed=config.seed)
+        if config.echo_steps
+        else []
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -379,7 +391,12 @@ def build_tiny_model(
         tokenizer.save_pretrained(tmp)
         with _no_progress_bars():
             model.save_pretrained(tmp)
-        info = {"config": asdict(config), "num_parameters": num_parameters}
+        info = {
+            "config": asdict(config),
+            "num_parameters": num_parameters,
+            "echo_loss_first": echo_losses[0] if echo_losses else None,
+            "echo_loss_last": echo_losses[-1] if echo_losses else None,
+        }
         (tmp / "turnrl_model.json").write_text(json.dumps(info, indent=2) + "\n")
         _replace_dir(tmp, out)
     except BaseException:

@@ -40,6 +40,9 @@ class ModelConfig:
     """Tiny model attention heads."""
     vocab_size: int = 2048
     """Tiny model tokenizer vocabulary (BPE trained locally)."""
+    echo_steps: int = 0
+    """Tiny model: steps of generic "repeat what was said" tuning after initialisation
+    (in-context copying, which real base models have); 0 keeps it random."""
 
 
 @dataclass(frozen=True)

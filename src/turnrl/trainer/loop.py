@@ -170,6 +170,7 @@ def _base_model(config: Config, spec: EnvSpec, run_dir: Path) -> Path:
         num_layers=m.num_layers,
         num_heads=m.num_heads,
         vocab_size=m.vocab_size,
+        echo_steps=m.echo_steps,
         seed=config.seed,
     )
     target = run_dir / "base_model"
