@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 _PROMPTS = (
     ("Say {w}.", "{w}"),
@@ -42,7 +43,14 @@ def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[st
 
 
 def pretrain_echo(
-    model: Any, tokenizer: Any, words: Sequence[str], *, steps: int, seed: int, lr: float = 3e-3
+    model: Any,
+    tokenizer: Any,
+    words: Sequence[str],
+    *,
+    steps: int,
+    seed: int,
+    lr: float = 3e-3,
+    progress: bool = False,
 ) -> list[float]:
     """Train ``model`` in place on echo chats; return the loss of every step."""
     chats = echo_chats(words, steps * 32, seed)
@@ -57,7 +65,7 @@ def pretrain_echo(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     losses: list[float] = []
     model.train()
-    for step in range(steps):
+    for step in tqdm(range(steps), desc="echo tuning", disable=not progress, leave=False):
         batch = encoded[step * 32 : (step + 1) * 32]
         T = max(len(h) + len(r) for h, r in batch)
         ids = torch.full((len(batch), T), pad, dtype=torch.long)

@@ -355,6 +355,7 @@ def build_tiny_model(
     extra_corpus: Iterable[str] = (),
     *,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Build the tokenizer and a randomly initialised model, save both to ``out_dir``.
 
@@ -379,7 +380,9 @@ def build_tiny_model(
     model = _init_model(config, tokenizer)
     num_parameters = sum(p.numel() for p in model.parameters())
     echo_losses = (
-        pretrain_echo(model, tokenizer, _WORDS, steps=config.echo_steps, seed=config.seed)
+        pretrain_echo(
+            model, tokenizer, _WORDS, steps=config.echo_steps, seed=config.seed, progress=progress
+        )
         if config.echo_steps
         else []
     )

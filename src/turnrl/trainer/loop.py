@@ -79,7 +79,9 @@ def train(
     spec = make_env_spec(config.env.name, **config.env.options)
 
     checkpoint = latest_checkpoint(run_dir) if resume else None
-    model_path = checkpoint / "model" if checkpoint else _base_model(config, spec, run_dir)
+    model_path = (
+        checkpoint / "model" if checkpoint else _base_model(config, spec, run_dir, progress)
+    )
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path)
     stops = stop_token_ids(tokenizer)
@@ -106,7 +108,9 @@ def train(
 
         first: Row = {"step": 0}
         if checkpoint is None and config.warmup.steps > 0:
-            first.update(_warmup(config, spec, model, tokenizer, renderer, limits, sampling))
+            first.update(
+                _warmup(config, spec, model, tokenizer, renderer, limits, sampling, progress)
+            )
         learner = Learner(model, config.algorithm, temperature=r.temperature)
         backend = TorchBackend(model, tokenizer)
         start = 0
@@ -160,7 +164,7 @@ def train(
     return result
 
 
-def _base_model(config: Config, spec: EnvSpec, run_dir: Path) -> Path:
+def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
     if config.model.path:
         return Path(config.model.path)
     m = config.model
@@ -176,7 +180,7 @@ def _base_model(config: Config, spec: EnvSpec, run_dir: Path) -> Path:
     target = run_dir / "base_model"
     if (target / "config.json").is_file():
         return target
-    return Path(build_tiny_model(target, tiny, extra_corpus=spec.corpus()))
+    return Path(build_tiny_model(target, tiny, extra_corpus=spec.corpus(), progress=progress))
 
 
 def _warmup(
@@ -187,6 +191,7 @@ def _warmup(
     renderer: ChatRenderer,
     limits: EpisodeLimits,
     sampling: SamplingParams,
+    progress: bool,
 ) -> Row:
     t0 = time.perf_counter()
     w = config.warmup
@@ -198,7 +203,9 @@ def _warmup(
     if not samples:
         raise ConfigError("the warm-up demonstrations produced no trainable samples")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    losses = supervised_warmup(model, samples, w, pad_id=int(pad), seed=config.seed)
+    losses = supervised_warmup(
+        model, samples, w, pad_id=int(pad), seed=config.seed, progress=progress
+    )
     return {
         "warmup/loss_first": losses[0],
         "warmup/loss_last": losses[-1],

@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from turnrl.backends.scripted import ScriptedBackend
 from turnrl.envs import EnvSpec
@@ -64,13 +65,14 @@ def supervised_warmup(
     *,
     pad_id: int,
     seed: int,
+    progress: bool = False,
 ) -> list[float]:
     """Fit the sampled-token positions of ``samples`` by cross-entropy; return the losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     rng = random.Random(seed)
     losses: list[float] = []
     model.train()
-    for _ in range(config.steps):
+    for _ in tqdm(range(config.steps), desc="warm-up", disable=not progress, leave=False):
         chosen = rng.sample(samples, min(config.batch_size, len(samples)))
         batch = pack(chosen, [0.0] * len(chosen), pad_id)
         mask = batch.loss_mask
