@@ -141,3 +141,16 @@ def test_later_epochs_reuse_the_batch_under_the_clip(model: Any, tokenizer: Any)
     metrics = Learner(model, config, temperature=1.0).step(batch)
     assert metrics["train/logprob_mismatch_max"] < 1e-4  # pass 0 is still on-policy
     assert metrics["train/clip_frac"] > 0.0  # passes 1 and 2 moved past the clip range
+
+
+def test_a_given_reference_is_the_kl_anchor(model: Any, tokenizer: Any) -> None:
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    config = AlgorithmConfig(kl_coef=0.1)
+    anchored = Learner(copy.deepcopy(model), config, temperature=1.0, reference=reference)
+    assert anchored.step(batch)["loss/kl"] > 1e-4  # the policy differs from its given anchor
+    fresh = Learner(model, config, temperature=1.0)
+    assert abs(fresh.step(batch)["loss/kl"]) < 1e-6  # default anchor: the policy itself

@@ -4,6 +4,7 @@ reproducibility with the same seed, and resume after a stop."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,9 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
     train(load_config(None, SMALL), stopped, progress=False)  # stops after step 2
     train(four, stopped, resume=True, progress=False)
     assert [deterministic(r) for r in rows(stopped)] == [deterministic(r) for r in rows(straight)]
+    # The KL reference is the policy RL started from; a resume without it is refused.
+    assert four.algorithm.kl_coef > 0
+    assert (stopped / "start_model" / "config.json").is_file()
+    shutil.rmtree(stopped / "start_model")
+    with pytest.raises(ConfigError, match="start_model"):
+        train(load_config(None, [*SMALL, "steps=6"]), stopped, resume=True, progress=False)

@@ -1,6 +1,7 @@
 """Resumable checkpoints, written atomically (DESIGN.md invariant 7).
 
-A checkpoint is a directory ``checkpoints/step_NNNNNN`` holding the model and tokenizer
+The policy RL starts from is kept in ``start_model`` (the KL reference, loaded again on
+resume). A checkpoint is a directory ``checkpoints/step_NNNNNN`` holding the model and tokenizer
 (``save_pretrained``, loadable by the Auto classes), the optimizer state and the trainer
 state (step, policy version). It is written under a temporary name and renamed into place,
 and ``checkpoints/latest`` is replaced atomically after it, so a run killed at any moment
@@ -44,6 +45,22 @@ def save_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _write_atomic(root / "latest", final.name)
+    return final
+
+
+def save_start_policy(run_dir: Path, model: Any, tokenizer: Any) -> Path:
+    """Save the policy RL starts from (after the warm-up) to ``run_dir/start_model``.
+
+    It is the reference policy of the KL term, so a resumed run must use the same one; it is
+    also "the warm-up checkpoint" that RL-only experiments start from.
+    """
+    final = run_dir / "start_model"
+    tmp = run_dir / ".tmp-start_model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
     return final
 
 

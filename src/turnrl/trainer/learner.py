@@ -53,17 +53,25 @@ def token_logprobs(
 class Learner:
     """Owns the optimizer; ``step`` applies one update from one batch.
 
-    With ``kl_coef > 0`` a frozen copy of the model as it is now becomes the reference
-    policy; otherwise no reference model exists.
+    With ``kl_coef > 0`` the reference policy is ``reference`` (or a frozen copy of the
+    model as it is now); otherwise no reference model exists.
     """
 
-    def __init__(self, model: Any, config: AlgorithmConfig, *, temperature: float) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: AlgorithmConfig,
+        *,
+        temperature: float,
+        reference: Any = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.temperature = temperature
         self.ref_model: Any = None
         if config.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            ref = reference if reference is not None else copy.deepcopy(model)
+            self.ref_model = ref.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )

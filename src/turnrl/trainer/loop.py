@@ -35,6 +35,7 @@ from turnrl.trainer.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
     save_checkpoint,
+    save_start_policy,
 )
 from turnrl.trainer.config import Config
 from turnrl.trainer.learner import Learner
@@ -111,7 +112,17 @@ def train(
             first.update(
                 _warmup(config, spec, model, tokenizer, renderer, limits, sampling, progress)
             )
-        learner = Learner(model, config.algorithm, temperature=r.temperature)
+        reference = None
+        if checkpoint is None:
+            save_start_policy(run_dir, model, tokenizer)
+        elif config.algorithm.kl_coef > 0:
+            if not (run_dir / "start_model" / "config.json").is_file():
+                raise ConfigError(
+                    f"cannot resume {run_dir} with a KL term: its start_model (the reference "
+                    "policy) is missing"
+                )
+            reference = load_model(run_dir / "start_model")
+        learner = Learner(model, config.algorithm, temperature=r.temperature, reference=reference)
         backend = TorchBackend(model, tokenizer)
         start = 0
         if checkpoint is not None:
