@@ -179,3 +179,12 @@ def test_template_break_starts_a_new_sample(tokenizer: Any) -> None:
     samples = traj.samples()
     assert len(samples) == 1 + traj.template_breaks
     assert sum(sum(s.loss_mask) for s in samples) == traj.num_completion_tokens
+
+
+def test_trajectory_json_round_trip_is_exact(tokenizer: Any) -> None:
+    import json
+
+    traj, _ = play(tokenizer, [CALL, TASK.answer])
+    again = Trajectory.from_json(json.loads(json.dumps(traj.to_json())))
+    assert again == traj
+    assert again.samples() == traj.samples()

@@ -31,7 +31,6 @@ class BatchingClient:
         self.backend = backend
         self.patience = patience
         self.live = 0
-        self.num_batches = 0
         self._pending: list[tuple[GenerationRequest, asyncio.Future[Completion]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -53,7 +52,6 @@ class BatchingClient:
             await asyncio.sleep(0)
             idle = 0 if len(self._pending) > before else idle + 1
         batch, self._pending = self._pending, []
-        self.num_batches += 1
         try:
             completions = await self.backend.generate([r for r, _ in batch])
             if len(completions) != len(batch):

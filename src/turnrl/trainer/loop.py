@@ -52,13 +52,6 @@ class RunResult:
     run_dir: Path
     rows: list[Row] = field(default_factory=list)
 
-    @property
-    def final_eval_success(self) -> float | None:
-        for row in reversed(self.rows):
-            if "eval/success_mean" in row:
-                return float(row["eval/success_mean"])
-        return None
-
 
 def train(
     config: Config,
