@@ -6,14 +6,30 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from turnrl.errors import ConfigError
+from turnrl.formats.code import CodeFormat
 from turnrl.formats.hermes import HermesFormat
+from turnrl.formats.react import ReActFormat
+from turnrl.formats.search_r1 import SearchR1Format
 from turnrl.protocols import Format
 from turnrl.types import Message
 
-__all__ = ["FORMATS", "HermesFormat", "error_observation", "get_format"]
+__all__ = [
+    "FORMATS",
+    "CodeFormat",
+    "HermesFormat",
+    "ReActFormat",
+    "SearchR1Format",
+    "error_observation",
+    "get_format",
+]
 
-FORMATS: dict[str, Callable[[], Format]] = {"hermes": HermesFormat}
-"""Format constructors by the name configs use."""
+FORMATS: dict[str, Callable[[], Format]] = {
+    "hermes": HermesFormat,
+    "search_r1": SearchR1Format,
+    "react": ReActFormat,
+    "code": CodeFormat,
+}
+"""Format constructors by the name configs use (the default, hermes, first)."""
 
 
 def get_format(name: str) -> Format:
@@ -21,7 +37,7 @@ def get_format(name: str) -> Format:
     try:
         factory = FORMATS[name]
     except KeyError:
-        known = ", ".join(sorted(FORMATS))
+        known = ", ".join(FORMATS)
         raise ConfigError(f"unknown tool-call format {name!r}; known formats: {known}") from None
     return factory()
 
