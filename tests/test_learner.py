@@ -17,7 +17,12 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import AlgorithmConfig
-from turnrl.trainer.learner import Learner
+from turnrl.trainer.learner import (
+    MIN_SHARED_PREFIX,
+    Learner,
+    common_prefix_length,
+    hidden_states,
+)
 from turnrl.types import GenerationRequest
 
 SPEC = SecretLookup()
@@ -154,3 +159,31 @@ def test_a_given_reference_is_the_kl_anchor(model: Any, tokenizer: Any) -> None:
     assert anchored.step(batch)["loss/kl"] > 1e-4  # the policy differs from its given anchor
     fresh = Learner(model, config, temperature=1.0)
     assert abs(fresh.step(batch)["loss/kl"]) < 1e-6  # default anchor: the policy itself
+
+
+def test_a_shared_prefix_computed_once_gives_the_plain_forward(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer)
+    ids, att = batch.input_ids, batch.attention_mask
+    shared = common_prefix_length(ids, att)
+    assert shared >= MIN_SHARED_PREFIX  # system prompt and tool list are common to all rows
+    assert not (ids[:, shared] == ids[0, shared]).all()  # and it stops where rows differ
+    mask = att.bool()
+
+    plain = model.base_model(input_ids=ids, attention_mask=att).last_hidden_state
+    fast = hidden_states(model, ids, att)
+    assert torch.allclose(plain[mask], fast[mask], atol=1e-5)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_plain = torch.autograd.grad((plain[mask] ** 2).sum(), params)
+    g_fast = torch.autograd.grad((fast[mask] ** 2).sum(), params)
+    for a, b in zip(g_plain, g_fast, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+def test_common_prefix_length_stops_at_the_first_difference_or_padding() -> None:
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4]])
+    assert common_prefix_length(ids, torch.ones_like(ids)) == 3
+    att = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    assert common_prefix_length(ids, att) == 2
+    same = torch.tensor([[7, 8, 9], [7, 8, 9]])
+    assert common_prefix_length(same, torch.ones_like(same)) == 2  # one token left to run

@@ -1,12 +1,13 @@
-"""Advantage estimators: pure tensor functions from rewards to advantages.
+"""Advantage estimators without a critic: pure tensor functions from rewards to advantages.
 
-Each estimator is a function named by what it returns and takes rewards laid out as
-``[P, G]`` (P prompts, each with a group of G sampled trajectories). Group statistics used by
+Group estimators (GRPO, Dr. GRPO, RLOO) take rewards laid out as ``[P, G]`` (P prompts, each
+with a group of G sampled trajectories) and return one advantage per trajectory. The
+REINFORCE++ estimators return one advantage per token, ``[B, T]`` with B = P * G sequences in
+prompt-major order (rows p*G .. p*G + G-1 are prompt p's group). Group statistics used by
 monitors (reward std, zero-variance groups) live here too, so the metrics and the estimators
 agree on one definition. Definitions and test vectors: ALGORITHMS.md, "Advantages".
 
-Not here: token-level estimators that need values or per-token rewards (GAE, REINFORCE++,
-GiGPO); they are further functions of this module with their own signatures.
+Not here: estimators with a critic (``gae``) and GiGPO's step-level groups (``gigpo``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from turnrl.algorithms.reductions import _bool_mask, masked_mean
+
 __all__ = [
+    "dr_grpo_advantages",
     "group_reward_std",
     "grpo_advantages",
+    "masked_whiten",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "zero_variance_groups",
 ]
@@ -108,3 +115,105 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     if group_size < 2:
         raise ValueError(f"RLOO needs a group size of at least 2, got {group_size}")
     return _centered_rewards(rewards) * (group_size / (group_size - 1))
+
+
+def dr_grpo_advantages(rewards: Tensor) -> Tensor:
+    """Dr. GRPO advantages, ``[P, G] -> [P, G]``: A_i = R_i - mean_G R, no std division.
+
+    Liu et al. 2025 ("Understanding R1-Zero-like training", arXiv:2503.20783, Sec. 3.2):
+    dividing by the group std up-weights prompts that are nearly always or nearly never
+    solved. Pair it with a constant loss normaliser (``seq_mean_token_sum_norm``). The same
+    as ``grpo_advantages(rewards, scale_by_std=False)``.
+    """
+    return grpo_advantages(rewards, scale_by_std=False)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / (std + eps) over the positions where ``mask`` is true, 0 elsewhere.
+
+    Mean and (unbiased, N-1) std are taken over all valid positions of the whole tensor,
+    i.e. over the batch, not per row. If the valid values are all equal (or there is only
+    one) the result is exactly 0 there, rather than rounding noise divided by ``eps``.
+    Masked positions cannot influence the result whatever they hold.
+    """
+    bool_mask = _bool_mask(mask, values)
+    count = bool_mask.sum()
+    mean = masked_mean(values, bool_mask)
+    centered = torch.where(bool_mask, values - mean, torch.zeros_like(values))
+    var = centered.square().sum() / (count - 1).clamp(min=1).to(values.dtype)
+    highest = torch.where(bool_mask, values, -torch.inf).amax()
+    lowest = torch.where(bool_mask, values, torch.inf).amin()
+    flat = ~(highest > lowest)  # also true when nothing is valid (-inf > inf is false)
+    whitened = torch.where(flat, torch.zeros_like(centered), centered / (var.sqrt() + eps))
+    return torch.where(bool_mask, whitened, torch.zeros_like(whitened))
+
+
+def _last_valid_index(mask: Tensor) -> Tensor:
+    """Position of the last true entry of each row of a ``[B, T]`` bool mask (0 if none)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, 0).amax(dim=1)  # [B]
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    rewards: Tensor,
+    loss_mask: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-8,
+) -> Tensor:
+    """REINFORCE++ advantages per token, ``rewards [B]``, ``loss_mask [B, T]`` -> ``[B, T]``.
+
+    REINFORCE++ (Hu 2025, arXiv:2501.03262, Sec. 3): token rewards
+        r_t = [t = T] R - kl_coef * KL_t,
+    with T the last sampled token of the sequence and ``kl`` a per-token KL estimate (k1 is
+    usual, e.g. ``kl_k1(logprobs, ref_logprobs, loss_mask)``); the return G_t = sum_{s>=t}
+    r_s (gamma = 1) runs over sampled tokens only, so tool-output tokens add nothing; the
+    advantages are the returns whitened over all valid tokens of the batch
+    (``masked_whiten``), which replaces a critic's baseline. Exactly 0 where masked.
+    Computed without gradient: advantages are constants for the loss.
+    """
+    mask = _bool_mask(loss_mask, loss_mask)
+    if mask.ndim != 2 or rewards.shape != (mask.shape[0],):
+        raise ValueError(
+            f"rewards must be [B] and loss_mask [B, T], got {tuple(rewards.shape)} and "
+            f"{tuple(loss_mask.shape)}"
+        )
+    if kl is not None and kl.shape != mask.shape:
+        raise ValueError(f"kl must be [B, T] = {tuple(mask.shape)}, got {tuple(kl.shape)}")
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    token_rewards = torch.zeros(mask.shape, dtype=dtype, device=rewards.device)  # [B, T]
+    last = _last_valid_index(mask)[:, None]  # [B, 1]
+    token_rewards.scatter_(1, last, rewards.to(dtype)[:, None])
+    if kl is not None and kl_coef != 0.0:
+        token_rewards = token_rewards - kl_coef * torch.where(mask, kl, 0.0).to(dtype)
+    token_rewards = torch.where(mask, token_rewards, torch.zeros_like(token_rewards))
+    returns = token_rewards.flip(1).cumsum(1).flip(1)  # G_t = sum_{s >= t} r_s
+    return masked_whiten(returns, mask, eps=eps)
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    rewards: Tensor,
+    loss_mask: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-8,
+) -> Tensor:
+    """REINFORCE++-baseline, ``rewards [P, G]``, ``loss_mask [P*G, T]`` -> ``[P*G, T]``.
+
+    Subtract each group's mean reward (R_i - mean_G R, exactly 0 for an all-equal group),
+    then proceed as ``reinforce_pp_advantages``: per-token KL penalty, return over sampled
+    tokens, whitening over the batch (Hu 2025, arXiv:2501.03262; OpenRLHF's
+    "reinforce_baseline"). The group mean removes the prompt's difficulty; the batch
+    whitening then sets a common scale without GRPO's per-group std.
+    """
+    centered = _centered_rewards(_as_groups(rewards))  # [P, G]
+    if loss_mask.ndim != 2 or loss_mask.shape[0] != centered.numel():
+        raise ValueError(
+            f"loss_mask must be [P*G, T] with P*G = {centered.numel()}, got "
+            f"{tuple(loss_mask.shape)}"
+        )
+    return reinforce_pp_advantages(centered.reshape(-1), loss_mask, kl=kl, kl_coef=kl_coef, eps=eps)

@@ -1,15 +1,15 @@
-"""Policy losses and masked reductions: pure tensor functions over ``[B, T]`` tokens.
+"""Per-token losses: PPO clip (decoupled, dual clip), GSPO, clipped value loss, entropy.
 
-Every function takes a ``loss_mask`` (true on policy-sampled tokens; false on prompt, tool
-output and padding) and masks with ``torch.where``, never by multiplying: ``0 * inf`` and
-``0 * nan`` are NaN, so a multiplied mask lets a bad value in a masked slot leak into the
-loss or its gradient. Inputs are sanitised with ``where`` before any arithmetic that could
-turn a masked value into a NaN gradient (the "double where"), and results are masked again
-at the end. Definitions and test vectors: ALGORITHMS.md, "Policy losses" and "Loss
-aggregation".
+Pure tensor functions over ``[B, T]`` tokens. Every function takes a ``loss_mask`` (true on
+policy-sampled tokens; false on prompt, tool output and padding) and masks with
+``torch.where``, never by multiplying: ``0 * inf`` and ``0 * nan`` are NaN, so a multiplied
+mask lets a bad value in a masked slot leak into the loss or its gradient. Inputs are
+sanitised with ``where`` before any arithmetic that could turn a masked value into a NaN
+gradient (the "double where"), and results are masked again at the end. Definitions and
+test vectors: ALGORITHMS.md, "Policy losses".
 
-Not here: value, KL and entropy terms, and the other reductions (seq-mean-token-mean and
-friends); they are further named functions of this module.
+Not here: the reductions that turn per-token losses into one number (``reductions``), KL
+estimators (``kl``) and off-policy weights (``off_policy``).
 """
 
 from __future__ import annotations
@@ -19,47 +19,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from turnrl.algorithms.reductions import _bool_mask, masked_mean
+
 __all__ = [
     "PolicyLossOutput",
+    "ValueLossOutput",
     "clip_fraction",
     "clipped_policy_loss",
-    "masked_mean",
-    "masked_sum",
+    "clipped_value_loss",
+    "entropy_from_logits",
+    "gspo_policy_loss",
     "policy_ratio",
-    "token_mean",
+    "sequence_ratio",
 ]
 
 # Bound on |log pi - log pi_old| before exponentiating: exp(20) ~ 5e8 is already far past
 # any clip range, and the bound keeps the ratio finite (ALGORITHMS.md, "PPO clip").
 _MAX_LOG_RATIO = 20.0
-
-
-def _bool_mask(mask: Tensor, like: Tensor) -> Tensor:
-    """The mask as bool (nonzero = valid), broadcast to ``like``'s shape."""
-    mask = mask if mask.dtype == torch.bool else mask != 0
-    return mask.expand_as(like)
-
-
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Sum of ``x`` over positions where ``mask`` is true (over ``dim``, or all of it).
-
-    Masked positions contribute exactly 0 to the value and receive exactly 0 gradient,
-    whatever they hold (inf and NaN included).
-    """
-    kept = torch.where(_bool_mask(mask, x), x, torch.zeros_like(x))
-    return kept.sum() if dim is None else kept.sum(dim=dim)
-
-
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over positions where ``mask`` is true (over ``dim``, or all of it).
-
-    An empty mask gives 0, not NaN, so a batch (or row) with no sampled tokens contributes
-    nothing instead of poisoning the step.
-    """
-    bool_mask = _bool_mask(mask, x)
-    total = masked_sum(x, bool_mask, dim)
-    count = bool_mask.sum() if dim is None else bool_mask.sum(dim=dim)
-    return total / count.clamp(min=1).to(total.dtype)
 
 
 def policy_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
@@ -155,51 +131,170 @@ def clipped_policy_loss(
     )
 
 
-def token_mean(
-    per_token_loss: Tensor,
-    loss_mask: Tensor,
-    num_tokens: float | Tensor | None = None,
-) -> Tensor:
-    """Token-mean loss: sum over valid tokens divided by ``num_tokens``.
-
-    The DAPO reduction (Yu et al. 2025, arXiv:2503.14476, Sec. 3.3): every sampled token
-    weighs the same, however long its sequence. ``num_tokens`` defaults to this batch's
-    valid-token count. Under gradient accumulation pass the GLOBAL count (valid tokens over
-    all micro-batches of the step): summing the micro-batch losses then gives exactly the
-    one-batch gradient, where per-micro-batch means would not (ALGORITHMS.md, "Loss
-    aggregation"). A count of 0 gives a loss of 0 whose gradient is defined (all zeros).
-    """
-    mask = _bool_mask(loss_mask, per_token_loss)
-    total = masked_sum(per_token_loss, mask)
-    if num_tokens is None:
-        count = mask.sum().to(total.dtype)
-    elif isinstance(num_tokens, Tensor):
-        count = num_tokens.to(dtype=total.dtype, device=total.device)
-    else:
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        count = torch.tensor(num_tokens, dtype=total.dtype, device=total.device)
-    has_tokens = count > 0
-    safe_count = torch.where(has_tokens, count, torch.ones_like(count))
-    return torch.where(has_tokens, total / safe_count, torch.zeros_like(total))
-
-
-def clip_fraction(out: PolicyLossOutput, loss_mask: Tensor) -> Tensor:
+def clip_fraction(out: PolicyLossOutput | ValueLossOutput, loss_mask: Tensor) -> Tensor:
     """Fraction of valid tokens whose clip was active (0-dim float tensor; 0 if none).
 
     A rising clip fraction means the policy is moving far from the sampler within a step;
-    the "Echo Trap" monitors watch it (ALGORITHMS.md, "Monitors").
+    the "Echo Trap" monitors watch it (ALGORITHMS.md, "Monitors"). Works for the value
+    loss's clip too.
     """
-    return masked_mean(out.clipped.to(out.ratio.dtype), loss_mask)
+    return masked_mean(out.clipped.to(out.per_token_loss.dtype), loss_mask)
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
-    """Schulman's k3 estimate of KL(pi || pi_ref) per token: exp(d) - 1 - d, d = ref - logp.
+def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """GSPO's sequence importance ratio, ``[B, T] -> [B]``.
 
-    Unbiased, non-negative and low-variance (ALGORITHMS.md, "KL to a reference policy").
-    Exactly 0 where ``loss_mask`` is False; masking uses torch.where, so inf/NaN there
-    cannot leak into the value or the gradient.
+    s_i = exp(mean over the sampled tokens of log(pi_theta / pi_old)): the geometric mean
+    of the token ratios, so its scale does not depend on the length (GSPO, Zheng et al.
+    2025, arXiv:2507.18071, eq. 7). The mean log-ratio is clamped to [-20, 20] like the
+    token ratio. A sequence with no sampled token has ratio 1.
     """
-    mask = loss_mask.bool()
-    d = torch.where(mask, ref_logprobs, 0.0) - torch.where(mask, logprobs, 0.0)
-    return torch.where(mask, torch.exp(d) - 1.0 - d, 0.0)
+    mask = _bool_mask(loss_mask, logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    mean_log_ratio = masked_mean(log_ratio, mask, dim=1)  # [B]
+    return torch.exp(mean_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> PolicyLossOutput:
+    """GSPO: the clipped surrogate on one ratio per sequence, spread over its tokens.
+
+    ``logprobs``, ``old_logprobs`` and ``loss_mask`` are ``[B, T]``; ``advantages`` is
+    ``[B, 1]`` (one per sequence). GSPO (Zheng et al. 2025, arXiv:2507.18071, eq. 5) clips
+    the sequence ratio ``s_i`` (``sequence_ratio``) instead of each token's:
+        loss_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
+    with ranges of order 1e-4 (3e-4 / 4e-4 in the paper) because s_i is a geometric mean.
+
+    The returned ``per_token_loss`` holds loss_i on every sampled token of sequence i, so
+    ``seq_mean_token_mean`` gives GSPO's objective (the mean of loss_i over sequences)
+    exactly, value and gradient; other reductions weight sequences by their length.
+    ``clipped`` and ``ratio`` hold the sequence's flag and s_i on its sampled tokens
+    (False and 1.0 elsewhere).
+    """
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    if old_logprobs.shape != logprobs.shape or loss_mask.shape != logprobs.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and loss_mask must share one [B, T] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(loss_mask.shape)}"
+        )
+    batch_size = logprobs.shape[0]
+    if advantages.shape != (batch_size, 1):
+        raise ValueError(
+            f"advantages must be [B, 1] = {(batch_size, 1)} (one per sequence), got shape "
+            f"{tuple(advantages.shape)}"
+        )
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+
+    mask = _bool_mask(loss_mask, logprobs)  # [B, T]
+    has_tokens = mask.any(dim=1)  # [B]
+    seq_ratio = sequence_ratio(logprobs, old_logprobs, mask)  # [B]
+    adv = torch.where(has_tokens, advantages[:, 0], torch.zeros_like(advantages[:, 0]))  # [B]
+
+    unclipped_loss = -seq_ratio * adv  # [B]
+    clipped_loss = -seq_ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # [B]
+    loss = torch.maximum(unclipped_loss, clipped_loss)  # = -min(s A, clip(s) A)
+    clipped = clipped_loss > unclipped_loss  # [B]
+
+    return PolicyLossOutput(
+        per_token_loss=torch.where(mask, loss[:, None], torch.zeros_like(logprobs)),
+        clipped=clipped[:, None] & mask,
+        ratio=torch.where(mask, seq_ratio[:, None], torch.ones_like(logprobs)),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class ValueLossOutput:
+    """What ``clipped_value_loss`` returns; both tensors are ``[B, T]``."""
+
+    per_token_loss: Tensor
+    """Loss of each token, exactly 0 at masked positions."""
+    clipped: Tensor
+    """Bool: the clipped error was the larger one, so the max chose it and the token gets no
+    gradient. False where masked."""
+
+
+def clipped_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    loss_mask: Tensor,
+    *,
+    clip_range: float | None,
+) -> ValueLossOutput:
+    """PPO's clipped value loss per token, ``[B, T]`` inputs (ALGORITHMS.md, "Value loss").
+
+        loss = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
+
+    The critic's prediction may not move further than ``clip_range`` from the value it had
+    when the rollout was scored, unless doing so reduces the error (the PPO2 baselines
+    implementation; see Engstrom et al. 2020, arXiv:2005.12729, on its effect). ``returns``
+    are the targets (e.g. GAE's ``returns``, which carry no gradient). ``clip_range=None``
+    gives the plain 0.5 * (V - R)^2.
+    """
+    if values.ndim != 2 or not (values.shape == old_values.shape == returns.shape):
+        raise ValueError(
+            "values, old_values and returns must share one [B, T] shape, got "
+            f"{tuple(values.shape)}, {tuple(old_values.shape)}, {tuple(returns.shape)}"
+        )
+    if loss_mask.shape != values.shape:
+        raise ValueError(f"loss_mask must be {tuple(values.shape)}, got {tuple(loss_mask.shape)}")
+    if clip_range is not None and clip_range < 0:
+        raise ValueError(f"clip_range must be >= 0, got {clip_range}")
+
+    mask = _bool_mask(loss_mask, values)
+    zeros = torch.zeros_like(values)
+    v = torch.where(mask, values, zeros)
+    v_old = torch.where(mask, old_values, zeros)
+    target = torch.where(mask, returns, zeros)
+
+    unclipped_loss = 0.5 * (v - target).square()
+    if clip_range is None:
+        loss, clipped = unclipped_loss, torch.zeros_like(mask)
+    else:
+        v_clipped = v_old + (v - v_old).clamp(-clip_range, clip_range)
+        clipped_loss = 0.5 * (v_clipped - target).square()
+        loss = torch.maximum(unclipped_loss, clipped_loss)
+        clipped = clipped_loss > unclipped_loss
+    return ValueLossOutput(
+        per_token_loss=torch.where(mask, loss, zeros),
+        clipped=clipped & mask,
+    )
+
+
+def entropy_from_logits(logits: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """Entropy of softmax(logits) at each position, ``[..., V] -> [...]``.
+
+    H = -sum_v p_v log p_v, computed from ``log_softmax`` for stability. Logits of -inf
+    (a vocabulary mask) contribute exactly 0, not NaN, to the value and the gradient. With a
+    ``loss_mask`` of shape ``logits.shape[:-1]``, masked positions give exactly 0 with 0
+    gradient whatever their logits hold, so the entropy bonus covers sampled tokens only
+    (ALGORITHMS.md, "Entropy bonus"); reduce it like a loss (e.g. ``token_mean``) and
+    subtract coef * that from the loss. Divide the logits by the sampling temperature first
+    if the entropy should be that of the sampler.
+    """
+    if loss_mask is not None:
+        if loss_mask.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"loss_mask must be logits.shape[:-1] = {tuple(logits.shape[:-1])}, got "
+                f"{tuple(loss_mask.shape)}"
+            )
+        valid = _bool_mask(loss_mask, loss_mask)
+        logits = torch.where(valid[..., None], logits, torch.zeros_like(logits))
+    logp = torch.log_softmax(logits, dim=-1)  # [..., V]
+    p = logp.exp()
+    # p * log p is 0 at p = 0, but 0 * -inf is NaN and so is its gradient: sanitise first.
+    positive = p > 0
+    safe_logp = torch.where(positive, logp, torch.zeros_like(logp))
+    entropy = -torch.where(positive, p * safe_logp, torch.zeros_like(p)).sum(dim=-1)
+    if loss_mask is None:
+        return entropy
+    return torch.where(valid, entropy, torch.zeros_like(entropy))

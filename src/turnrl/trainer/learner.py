@@ -19,6 +19,46 @@ from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.types import Sample
 
+MIN_SHARED_PREFIX = 8
+"""Shortest common prefix worth computing once for the whole micro-batch."""
+
+
+def common_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading tokens every row shares (and attends to), at most T - 1."""
+    same = ((input_ids == input_ids[:1]) & attention_mask.bool()).all(dim=0)  # [T]
+    differs = (~same).nonzero()
+    length = int(differs[0, 0]) if len(differs) else input_ids.shape[1]
+    return min(length, input_ids.shape[1] - 1)
+
+
+def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+    """The last hidden states [B, T, H] of right-padded rows.
+
+    Rows of one batch usually share a long prefix (system prompt, tool list, often the
+    whole question of a group). That prefix is run once with batch size 1 and its key/value
+    cache is repeated for the rest of the rows, so the shared tokens cost one row instead
+    of B; gradients flow back through the shared computation (equal to the plain forward to
+    float rounding — tested).
+    """
+    rows = input_ids.shape[0]
+    shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
+    if shared < MIN_SHARED_PREFIX:
+        return model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask
+        ).last_hidden_state
+    head = model.base_model(
+        input_ids=input_ids[:1, :shared], attention_mask=attention_mask[:1, :shared], use_cache=True
+    )
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(rows)
+    tail = model.base_model(
+        input_ids=input_ids[:, shared:],
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=False,
+    ).last_hidden_state
+    return torch.cat([head.last_hidden_state.expand(rows, -1, -1), tail], dim=1)
+
 
 def token_logprobs(
     model: Any,
@@ -34,8 +74,7 @@ def token_logprobs(
     work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
     Elsewhere both outputs are 0.
     """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)
-    hidden = hidden.last_hidden_state  # [B, T, H]
+    hidden = hidden_states(model, input_ids, attention_mask)  # [B, T, H]
     target = loss_mask.clone()
     target[:, 0] = False  # the first token has no context to be predicted from
     b, t = target.nonzero(as_tuple=True)
