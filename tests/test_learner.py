@@ -7,8 +7,10 @@ import asyncio
 import copy
 from typing import Any
 
+import pytest
 import torch
 
+from turnrl.backends import torch_backend
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import SecretLookup
 from turnrl.models.loading import stop_token_ids
@@ -187,3 +189,22 @@ def test_common_prefix_length_stops_at_the_first_difference_or_padding() -> None
     assert common_prefix_length(ids, att) == 2
     same = torch.tensor([[7, 8, 9], [7, 8, 9]])
     assert common_prefix_length(same, torch.ones_like(same)) == 2  # one token left to run
+
+
+def test_the_sampler_computes_a_shared_prompt_prefix_once_with_the_same_result(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = TorchBackend(model, tokenizer)
+    head = tuple(tokenizer.encode("You are a helpful assistant. Look the value up, then answer."))
+    tails = ["What is the value of beta?", "alpha?", "What is it", "x"]
+    requests = [
+        GenerationRequest(head + tuple(tokenizer.encode(t)), max_new_tokens=10, seed=i)
+        for i, t in enumerate(tails)
+    ]
+    assert torch_backend._common_prefix([r.prompt_ids for r in requests]) >= len(head)
+    shared = backend.generate_sync(requests)
+    monkeypatch.setattr(torch_backend, "MIN_SHARED_PREFIX", 10**9)  # the plain path
+    plain = backend.generate_sync(requests)
+    for a, b in zip(shared, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)

@@ -20,6 +20,9 @@ import torch
 
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
+MIN_SHARED_PREFIX = 8
+"""Shortest common prompt prefix worth computing once for the whole batch."""
+
 
 class TorchBackend:
     """Samples from a causal LM held in this process (CPU or one GPU).
@@ -80,15 +83,30 @@ class TorchBackend:
         lengths = [len(r.prompt_ids) for r in requests]
         if min(lengths) == 0:
             raise ValueError("a generation request has an empty prompt")
-        L = max(lengths)
-        # Left padding: every row's last prompt token sits at column L-1.
+        shared = _common_prefix([r.prompt_ids for r in requests]) if B > 1 else 0
+        if shared < MIN_SHARED_PREFIX:
+            shared = 0
+        # Layout: [shared prefix][left padding][rest of the prompt]; every row's last prompt
+        # token sits in the last column. The shared prefix (system prompt, tools, often the
+        # whole question of a group) is computed once and its cache repeated for each row.
+        L = max(lengths) - shared
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
+        attn = torch.zeros((B, shared + L), dtype=torch.long)
+        attn[:, :shared] = 1
         for i, r in enumerate(requests):
-            input_ids[i, L - lengths[i] :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            attn[i, L - lengths[i] :] = 1
+            n = lengths[i] - shared
+            input_ids[i, L - n :] = torch.tensor(r.prompt_ids[shared:], dtype=torch.long)
+            attn[i, shared + L - n :] = 1
         input_ids, attn = input_ids.to(device), attn.to(device)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, shared:]
+        past = None
+        if shared:
+            head = self.model(
+                input_ids=torch.tensor([requests[0].prompt_ids[:shared]], device=device),
+                use_cache=True,
+            )
+            past = head.past_key_values
+            past.batch_repeat_interleave(B)
 
         # Each request draws its uniforms from its own seed: a sample does not depend on
         # which other requests share the batch. Inverse-CDF sampling, vectorised over rows.
@@ -110,7 +128,11 @@ class TorchBackend:
         rows = torch.arange(B, device=device)
 
         out = self.model(
-            input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True
+            input_ids=input_ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=past,
+            use_cache=True,
         )
         past = out.past_key_values
         next_pos = positions[:, -1:] + 1
@@ -152,6 +174,16 @@ class TorchBackend:
             )
             for i in range(B)
         ]
+
+
+def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Leading tokens all ``prompts`` share, leaving each at least one token of its own."""
+    first = prompts[0]
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
 
 
 def _sample(
