@@ -18,7 +18,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# bubblewrap isolates the code sandbox (turnrl.tools.sandbox); installed where root has apt.
 setup: $(STAMP)
+	@command -v bwrap >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	else \
+	  echo "warning: bubblewrap (bwrap) is missing and needs root + apt-get to install:" \
+	    "the code sandbox will fall back to rlimits, which do not isolate"; \
+	fi
 
 demo: setup
 	$(VENV)/bin/turnrl train --out $(DEMO_OUT)

@@ -1,0 +1,497 @@
+"""Where untrusted code runs: bubblewrap isolation under rlimits, or a loud rlimit-only fallback.
+
+What lives here: ``Sandbox`` (the isolation mode, the limits and a machine-wide pool of
+dedicated uids), ``SandboxSlot`` (one episode's uid and work dir), and the command line and
+process settings that start a program inside. What does not: the persistent interpreter and
+the tool the model calls (``turnrl.tools.python_tool``).
+
+Mode ``"bwrap"`` (Debian's bubblewrap) runs the program with every namespace unshared (no
+network: only a private loopback; its own pid space; no host processes visible), the system
+directories read-only (/usr, a few loader files of /etc; the rest of /etc, /home, /root and
+the project are absent), a private size-limited ``/tmp`` and ``/dev/shm``, the episode's work
+dir as the only writable host directory (at ``/workspace``), a cleared environment, no
+capabilities, and a new session (no terminal injection). What the work dir holds in total
+is bounded only by the file size limit per file and the host's disk. Mode ``"rlimit"`` runs it as a plain process with the
+same limits and nothing else: it can read world-readable files, write to world-writable
+directories such as ``/tmp`` and connect to the network, localhost services included.
+Constructing a sandbox in that mode logs a warning and sets ``isolated = False``.
+
+In both modes the program runs as a dedicated non-root uid, one per concurrent slot, when
+this process is root (never as uid 0): RLIMIT_NPROC counts every process of a uid
+machine-wide, other uids cannot signal or read the host's processes, and at the end every
+process of the slot's uid can be killed, which finds children that left the process group.
+Slots are locked with ``flock`` on files in the temp dir, so separate processes on one
+machine never share a uid. Run as an ordinary user, the program runs under that user's uid:
+bubblewrap still isolates it, the fallback then isolates nothing at all.
+
+The rlimits (address space, CPU seconds, file size, processes, open files, no core dumps) are
+set by a few lines of Python run by the sandboxed interpreter itself before it executes the
+program: no ``preexec_fn``, which is unsafe in a threaded process. See ../shared/OFFLINE.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import pwd
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from turnrl.errors import ConfigError, TurnrlError
+
+logger = logging.getLogger(__name__)
+
+SandboxMode = Literal["auto", "bwrap", "rlimit"]
+
+DEFAULT_UIDS = range(2_000_000_000, 2_000_000_064)
+"""Dedicated uids (and gids) for sandbox slots: far above any account (Debian's adduser
+stops at 59999, systemd's dynamic users at 65519), below 2**31 for old tools' sake."""
+
+WORKSPACE = "/workspace"
+"""Where the episode's work dir appears inside a bubblewrap sandbox."""
+
+_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Symlinks on merged-/usr systems (Debian 12), directories elsewhere.
+_ROOT_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What the dynamic loader and Python need from /etc. /etc itself stays hidden (no shadow,
+# no host configuration); more can be added with ``extra_ro_paths``.
+_ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/alternatives",
+)
+# Run by the sandboxed interpreter before the program: lower every limit (never above a
+# hard limit already in place, which an unprivileged process cannot raise), then exec.
+_LIMITER = """\
+import json, os, resource, sys
+for name, value in json.loads(sys.argv[1]).items():
+    kind = getattr(resource, name)
+    hard = resource.getrlimit(kind)[1]
+    soft = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    if name == "RLIMIT_CPU" and (hard == resource.RLIM_INFINITY or hard > soft):
+        hard = soft + 1  # SIGXCPU at the soft limit, SIGKILL a second later
+    else:
+        hard = soft
+    resource.setrlimit(kind, (soft, hard))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+# The whole of a uid's processes can be killed by that uid itself: kill(-1) signals every
+# process the caller may signal, except itself and init. Run only for dedicated uids.
+_KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+
+
+class SandboxError(TurnrlError, RuntimeError):
+    """A sandbox cannot be set up (no free uid, an unusable interpreter or work dir)."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """``mode="bwrap"`` was asked for and bubblewrap cannot run here."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-process resource limits of sandboxed code (rlimits; the tmpfs size for bwrap)."""
+
+    max_memory_mb: int = 1024
+    """Address space of each process (RLIMIT_AS): an allocation beyond it fails."""
+    max_cpu_s: int = 60
+    """CPU seconds of each process over its whole life (RLIMIT_CPU): SIGXCPU ends it."""
+    max_file_mb: int = 64
+    """Largest file a process may write (RLIMIT_FSIZE): a longer write fails."""
+    max_processes: int = 32
+    """Processes and threads of the slot's uid (RLIMIT_NPROC): a fork beyond it fails."""
+    max_open_files: int = 128
+    """Open file descriptors of each process (RLIMIT_NOFILE)."""
+    max_tmp_mb: int = 64
+    """Size of each of the private /tmp and /dev/shm, tmpfs in memory (bwrap only; the
+    fallback has neither)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_memory_mb",
+            "max_cpu_s",
+            "max_file_mb",
+            "max_processes",
+            "max_open_files",
+            "max_tmp_mb",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SandboxLimits.{name} must be a positive int, got {value!r}")
+
+    def rlimits(self) -> dict[str, int]:
+        """Soft limits by ``resource`` constant name; the core dump size is always 0."""
+        mb = 1024 * 1024
+        return {
+            "RLIMIT_AS": self.max_memory_mb * mb,
+            "RLIMIT_CPU": self.max_cpu_s,
+            "RLIMIT_FSIZE": self.max_file_mb * mb,
+            "RLIMIT_NPROC": self.max_processes,
+            "RLIMIT_NOFILE": self.max_open_files,
+            "RLIMIT_CORE": 0,
+        }
+
+
+@dataclass(eq=False)
+class SandboxSlot:
+    """One episode's place in a sandbox: the uid its code runs as and its work dir.
+
+    ``dedicated``: the uid belongs to this slot alone (this process is root), so every
+    process of the uid is the slot's and ``Sandbox.kill_all`` may kill them all.
+    The work dir is the sandboxed code's: treat what it holds as untrusted (symlinks
+    included) when reading it from the host.
+    """
+
+    uid: int
+    gid: int
+    workdir: Path
+    dedicated: bool
+    lock_fd: int | None
+    """The open lock file holding the uid (None for a shared uid, and once released)."""
+
+
+class Sandbox:
+    """How and as whom untrusted programs run. Share one among all episodes of a run.
+
+    ``mode``: ``"bwrap"`` isolates with bubblewrap and raises ``SandboxUnavailableError``
+    where it cannot run; ``"rlimit"`` only limits resources and isolates nothing;
+    ``"auto"`` takes bubblewrap when it runs and falls back otherwise. The resolved mode is
+    ``self.mode``; ``self.isolated`` is False in the fallback (a warning is logged) and
+    ``self.fallback_reason`` says why bubblewrap was not used.
+
+    ``python``: the interpreter sandboxed code runs under. Slot uids cannot read /root or a
+    private venv, so it must be world-readable, such as Debian's /usr/bin/python3 or a venv
+    made from it (a venv outside /usr is bound read-only into the sandbox). ``uids``: the
+    dedicated uids, one per concurrent slot, used when this process is root. ``work_root``:
+    where the per-episode work dirs are made (default: the temp dir); the slot uid must be
+    able to reach it. ``extra_ro_paths``: more host paths shown read-only inside bubblewrap.
+    """
+
+    def __init__(
+        self,
+        mode: SandboxMode = "auto",
+        *,
+        limits: SandboxLimits | None = None,
+        python: str = "/usr/bin/python3",
+        uids: Sequence[int] = DEFAULT_UIDS,
+        work_root: str | os.PathLike[str] | None = None,
+        extra_ro_paths: Sequence[str] = (),
+    ) -> None:
+        if mode not in ("auto", "bwrap", "rlimit"):
+            raise ConfigError(f"sandbox mode must be 'auto', 'bwrap' or 'rlimit', got {mode!r}")
+        self.limits = limits or SandboxLimits()
+        self.python = python
+        self.uids = tuple(uids)
+        self.work_root = Path(work_root) if work_root is not None else None
+        self.extra_ro_paths = tuple(extra_ro_paths)
+        self._root = os.geteuid() == 0
+        if self._root:
+            _check_uids(self.uids)
+        self._check_python()
+        self._bwrap = shutil.which("bwrap")
+        reason = "rlimit mode was asked for" if mode == "rlimit" else self._bwrap_problem()
+        if mode == "bwrap" and reason is not None:
+            raise SandboxUnavailableError(
+                f"bubblewrap cannot run here: {reason}. Install it (apt-get install "
+                "bubblewrap; `make setup` does) or use Sandbox(mode='auto') to fall back "
+                "to rlimits without isolation."
+            )
+        self.mode: Literal["bwrap", "rlimit"] = "bwrap" if reason is None else "rlimit"
+        self.isolated = self.mode == "bwrap"
+        self.fallback_reason = reason
+        if not self.isolated:
+            logger.warning(
+                "turnrl sandbox does NOT isolate (%s): sandboxed code can read "
+                "world-readable files, write world-writable directories such as /tmp and "
+                "connect to the network, including services on localhost; only resource "
+                "limits apply. Install bubblewrap (apt-get install bubblewrap) to isolate.",
+                self.fallback_reason,
+            )
+            if not self._root:
+                logger.warning(
+                    "turnrl sandbox fallback runs code under this process's own uid "
+                    "(not root, so no dedicated uid): the code can signal this process, "
+                    "read its files and environment, and leave processes behind."
+                )
+
+    def acquire(self) -> SandboxSlot:
+        """A free slot: a uid locked for this slot alone and a fresh, empty work dir."""
+        if not self._root:
+            uid, gid = os.getuid(), os.getgid()
+            return SandboxSlot(uid, gid, self._make_workdir(uid, gid), False, None)
+        uid, fd = self._lock_uid()
+        try:
+            slot = SandboxSlot(uid, uid, self._make_workdir(uid, uid), True, fd)
+            if _pids_of_uid(uid):  # left behind by a process that died holding the lock
+                self.kill_all(slot)
+        except BaseException:
+            os.close(fd)
+            raise
+        return slot
+
+    def release(self, slot: SandboxSlot) -> None:
+        """Kill what the slot's uid still runs, delete its work dir, free its uid."""
+        if slot.dedicated:
+            self.kill_all(slot)
+        shutil.rmtree(slot.workdir, ignore_errors=True)
+        if slot.workdir.exists():
+            logger.warning("sandbox work dir %s could not be fully deleted", slot.workdir)
+        if slot.lock_fd is not None:
+            fd, slot.lock_fd = slot.lock_fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def kill_all(self, slot: SandboxSlot) -> None:
+        """SIGKILL every process of a dedicated slot uid (a no-op for a shared uid).
+
+        Blocking (it starts a short process as the uid); from async code run it in a thread.
+        """
+        if not slot.dedicated:
+            return
+        for _ in range(3):  # a fork racing one kill leaves a child for the next
+            if not _pids_of_uid(slot.uid):
+                return
+            subprocess.run(
+                [self.python, "-I", "-S", "-c", _KILL_ALL],
+                user=slot.uid,
+                group=slot.gid,
+                extra_groups=[],
+                env={},
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=30,
+                check=False,
+            )
+        if _pids_of_uid(slot.uid):
+            logger.warning("processes of sandbox uid %d survive SIGKILL", slot.uid)
+
+    def command(self, slot: SandboxSlot, argv: Sequence[str]) -> list[str]:
+        """The command line that runs ``argv`` (its program under ``self.python`` or in
+        the sandbox's read-only system) inside the sandbox, under the limits."""
+        rlimits = self.limits.rlimits()
+        if not slot.dedicated and self.mode == "rlimit":
+            # RLIMIT_NPROC counts all of a shared uid's processes, so leave room for them.
+            rlimits["RLIMIT_NPROC"] += len(_pids_of_uid(slot.uid))
+        inner = [self.python, "-I", "-S", "-c", _LIMITER, json.dumps(rlimits), *argv]
+        if self.mode == "rlimit":
+            return inner
+        assert self._bwrap is not None
+        mb = 1024 * 1024
+        return [
+            self._bwrap,
+            *self._bwrap_isolation(),
+            *("--size", str(self.limits.max_tmp_mb * mb), "--tmpfs", "/tmp"),
+            *("--size", str(self.limits.max_tmp_mb * mb), "--tmpfs", "/dev/shm"),
+            # After --tmpfs /tmp: binds placed before it would be hidden by it.
+            *("--bind", str(slot.workdir), WORKSPACE, "--chdir", WORKSPACE),
+            # The root and /dev are unbounded tmpfs bubblewrap made: writes there would
+            # fill memory, so only /tmp, /dev/shm and the work dir stay writable.
+            *("--remount-ro", "/", "--remount-ro", "/dev"),
+            *_setenv(self._inner_env(WORKSPACE, "/tmp")),
+            "--",
+            *inner,
+        ]
+
+    def popen_kwargs(self, slot: SandboxSlot) -> dict[str, Any]:
+        """Keyword arguments for ``subprocess.Popen`` / ``asyncio.create_subprocess_exec``
+        with ``command(slot, ...)``: the slot's uid with no supplementary groups, a new
+        session (its own process group, killable as one), the work dir, a minimal
+        environment (nothing of this process's environment passes)."""
+        kwargs: dict[str, Any] = {"start_new_session": True, "cwd": str(slot.workdir)}
+        if self.mode == "bwrap":
+            kwargs["env"] = {"PATH": _PATH, "LANG": "C.UTF-8"}  # bwrap's own; --clearenv
+        else:
+            kwargs["env"] = self._inner_env(str(slot.workdir), str(slot.workdir))
+        if slot.dedicated:
+            kwargs.update(user=slot.uid, group=slot.gid, extra_groups=[])
+        return kwargs
+
+    def code_workdir(self, slot: SandboxSlot) -> str:
+        """The work dir as the sandboxed code sees it."""
+        return WORKSPACE if self.mode == "bwrap" else str(slot.workdir)
+
+    def describe_exit(self, returncode: int) -> str:
+        """A returncode of a sandboxed process (bwrap reports a signal as 128 + number),
+        in words for the model."""
+        signum = -returncode if returncode < 0 else None
+        if self.mode == "bwrap" and returncode > 128:
+            signum = returncode - 128
+        if signum is None:
+            return f"it exited with status {returncode}"
+        if signum == signal.SIGXCPU:
+            return f"it used up its CPU time limit ({self.limits.max_cpu_s} s)"
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"it was killed by {name}"
+
+    def _check_python(self) -> None:
+        path = Path(self.python)
+        try:
+            mode = path.stat().st_mode
+        except OSError as exc:
+            raise SandboxError(f"sandbox python {self.python!r} does not exist ({exc})") from exc
+        if not path.is_absolute() or not stat.S_ISREG(mode):
+            raise SandboxError(f"sandbox python {self.python!r} must be an absolute file path")
+        if self._root and not mode & stat.S_IXOTH:
+            raise SandboxError(
+                f"sandbox python {self.python!r} is not executable by other users; the "
+                "sandbox uid needs a world-readable interpreter such as /usr/bin/python3"
+            )
+
+    def _bwrap_problem(self) -> str | None:
+        """Why bubblewrap cannot run sandboxed Python here, or None (checked by running it
+        once per process, as a locked slot uid when root)."""
+        if self._bwrap is None:
+            return "bwrap is not installed"
+        key = (self._bwrap, self.python, self._root)
+        if key not in _PROBES:
+            argv = [self._bwrap, *self._bwrap_isolation(), "--", self.python, "-I", "-S"]
+            uid, lock_fd = self._lock_uid() if self._root else (-1, None)
+            try:
+                done = subprocess.run(
+                    [*argv, "-c", "pass"],
+                    user=None if lock_fd is None else uid,
+                    group=None if lock_fd is None else uid,
+                    extra_groups=None if lock_fd is None else [],
+                    env={"PATH": _PATH},
+                    cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    timeout=30,
+                    check=False,
+                )
+            except (OSError, subprocess.SubprocessError) as exc:
+                _PROBES[key] = f"bwrap failed to start ({exc})"
+            else:
+                err = done.stderr.decode(errors="replace").strip()
+                code = done.returncode
+                _PROBES[key] = None if code == 0 else f"bwrap exited with {code}: {err}"
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+        return _PROBES[key]
+
+    def _lock_uid(self) -> tuple[int, int]:
+        """A uid of the pool no other slot on the machine holds, and its lock's descriptor."""
+        lock_dir = _lock_dir()
+        for uid in self.uids:
+            fd = os.open(lock_dir / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return uid, fd
+        raise SandboxError(
+            f"all {len(self.uids)} sandbox uids are in use: close finished interpreters "
+            "or pass more uids to Sandbox()"
+        )
+
+    def _bwrap_isolation(self) -> list[str]:
+        """Namespaces, the read-only system, /proc and /dev: everything but /tmp, the work
+        dir and the environment."""
+        args = [
+            *("--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"),
+            *("--hostname", "sandbox", "--ro-bind", "/usr", "/usr"),
+        ]
+        for path in _ROOT_DIRS:
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for path in _ETC_FILES:
+            args += ["--ro-bind-try", path, path]
+        python_root = Path(self.python).parent.parent  # a venv outside /usr
+        extra = [*self.extra_ro_paths]
+        if not Path(self.python).is_relative_to("/usr"):
+            extra.append(str(python_root))
+        for path in extra:
+            args += ["--ro-bind", path, path]
+        return [*args, "--proc", "/proc", "--dev", "/dev"]
+
+    def _inner_env(self, home: str, tmp: str) -> dict[str, str]:
+        # One thread per numeric library: limits count threads, and cores are few.
+        return {
+            "PATH": _PATH,
+            "HOME": home,
+            "TMPDIR": tmp,
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+
+    def _make_workdir(self, uid: int, gid: int) -> Path:
+        root = self.work_root or Path(tempfile.gettempdir())
+        try:
+            path = Path(tempfile.mkdtemp(prefix=f"turnrl-sandbox-{uid}-", dir=root))
+            if self._root:
+                os.chown(path, uid, gid)
+        except OSError as exc:
+            raise SandboxError(f"cannot make a sandbox work dir in {root}: {exc}") from exc
+        return path
+
+
+_PROBES: dict[tuple[str, str, bool], str | None] = {}
+
+
+def _check_uids(uids: Sequence[int]) -> None:
+    """Slot uids must belong to no account: everything a slot uid runs gets killed."""
+    if not uids or min(uids) <= 0:
+        raise ConfigError("as root, sandbox uids must be a non-empty list of uids > 0")
+    for uid in uids:
+        try:
+            account = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            continue
+        raise ConfigError(f"sandbox uid {uid} is the account {account!r}; use unused uids")
+
+
+def _setenv(env: dict[str, str]) -> list[str]:
+    args = ["--clearenv"]
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    return args
+
+
+def _lock_dir() -> Path:
+    """Root's directory of per-uid lock files, shared by every process on the machine."""
+    path = Path(tempfile.gettempdir()) / "turnrl-sandbox-uids"
+    path.mkdir(mode=0o755, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise SandboxError(
+            f"{path} must be a directory owned by this user, not group/world writable"
+        )
+    return path
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """Live pids whose real uid is ``uid`` (from /proc; processes in any pid namespace)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            zombie = fields.get("State", "").split()[:1] == ["Z"]  # dead, awaiting its parent
+            if not zombie and int(fields["Uid"].split()[0]) == uid:
+                pids.append(int(entry.name))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue  # gone meanwhile
+    return pids
