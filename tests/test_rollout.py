@@ -188,3 +188,50 @@ def test_trajectory_json_round_trip_is_exact(tokenizer: Any) -> None:
     again = Trajectory.from_json(json.loads(json.dumps(traj.to_json())))
     assert again == traj
     assert again.samples() == traj.samples()
+
+
+def test_a_format_stop_string_ends_the_turn_before_the_model_writes_an_observation(
+    tokenizer: Any,
+) -> None:
+    from turnrl.envs.tool_env import ToolEnv
+    from turnrl.rewards import exact_match
+    from turnrl.tools import Tool, ToolSet
+
+    def search(query: str) -> str:
+        """Search.
+
+        Args:
+            query: The query.
+        """
+        return f"found {query}"
+
+    fmt = get_format("search_r1")
+    env = ToolEnv(ToolSet([Tool.from_function(search)]), fmt, lambda t, a: exact_match(a, "cat"))
+    stops = stop_token_ids(tokenizer)
+    backend = ScriptedBackend(
+        tokenizer,
+        ["<search>cat</search><information>made up</information>", "<answer>cat</answer>"],
+        end_token_id=stops[0],
+    )
+
+    async def generate(request: GenerationRequest) -> Completion:
+        return (await backend.generate([request]))[0]
+
+    traj = asyncio.run(
+        run_episode(
+            env,
+            TASK,
+            generate,
+            ChatRenderer(tokenizer),
+            limits=EpisodeLimits(),
+            sampling=SamplingParams(stop_token_ids=stops),
+            seed=0,
+        )
+    )
+    assert backend.requests[0].stop_strings == ("</search>",)
+    assert traj.turns[0].text == "<search>cat</search>"  # cut at the stop string
+    assert traj.turns[0].completion_ids[-1] not in stops  # the model did not end the turn
+    (sample,) = traj.samples()  # still one token-exact sequence
+    context = tokenizer.decode(sample.input_ids)
+    assert "made up" not in context and "found cat" in context
+    assert traj.success and traj.stop_reason == "answered"

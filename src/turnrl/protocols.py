@@ -29,7 +29,8 @@ class Env(Protocol):
     """A multi-turn environment (async, because tools do I/O). One instance per episode.
 
     ``reset`` returns the opening messages; ``step`` takes the model's text for one turn.
-    ``tool_schemas`` lists the tools for chat templates that render them (empty if none).
+    ``tool_schemas`` lists the tools for chat templates that render them (empty if none);
+    ``stop_strings`` is text that ends a model turn (the call format's, often empty).
     """
 
     async def reset(self, task: Task, seed: int) -> list[Message]: ...
@@ -37,6 +38,8 @@ class Env(Protocol):
     async def step(self, action: str) -> StepResult: ...
 
     def tool_schemas(self) -> list[ToolSchema]: ...
+
+    def stop_strings(self) -> tuple[str, ...]: ...
 
 
 @runtime_checkable
@@ -72,10 +75,13 @@ class Format(Protocol):
 
     ``template_tools``: True if the tokenizer's chat template renders the tool list (the
     schemas are passed as ``tools=``); otherwise ``system_prompt`` returns the text.
+    ``stop_strings``: text that ends a model turn, e.g. right after a call, so the model
+    cannot go on to write the observation itself (empty for formats that need none).
     """
 
     name: str
     template_tools: bool
+    stop_strings: tuple[str, ...]
 
     def system_prompt(self, tools: Sequence[ToolSchema]) -> str: ...
 

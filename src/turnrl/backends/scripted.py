@@ -16,8 +16,8 @@ from turnrl.types import Completion, FinishReason, GenerationRequest
 class ScriptedBackend:
     """Replies to successive requests with successive scripted texts.
 
-    Each reply is the text's token ids followed by ``end_token_id`` (the model "stops"), cut
-    to the request's ``max_new_tokens`` (then the finish reason is ``length``). Log-probs are
+    Each reply is the text's token ids followed by ``end_token_id`` (the model "stops"), or
+    the text up to and including the request's first stop string, cut to ``max_new_tokens`` (then the finish reason is ``length``). Log-probs are
     0.0: the script is deterministic. Every request is kept in ``requests`` for inspection.
     """
 
@@ -37,8 +37,11 @@ class ScriptedBackend:
         self.requests.append(request)
         if index >= len(self.texts):
             raise IndexError(f"scripted backend ran out of texts after {len(self.texts)} replies")
-        ids = [*self.tokenizer.encode(self.texts[index], add_special_tokens=False)]
-        ids.append(self.end_token_id)
+        text = self.texts[index]
+        cut = [text.index(s) + len(s) for s in request.stop_strings if s in text]
+        ids = [*self.tokenizer.encode(text[: min(cut)] if cut else text, add_special_tokens=False)]
+        if not cut:  # a stop string ends the turn without the end token, as a sampler does
+            ids.append(self.end_token_id)
         finish: FinishReason = "stop"
         if len(ids) > request.max_new_tokens:
             ids, finish = ids[: request.max_new_tokens], "length"

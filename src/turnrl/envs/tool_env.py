@@ -47,6 +47,9 @@ class ToolEnv:
         self.tools = ToolSet([])
         self.num_tool_calls = 0
 
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.format.stop_strings
+
     def tool_schemas(self) -> list[ToolSchema]:
         return self.tools.schemas() if self.format.template_tools else []
 

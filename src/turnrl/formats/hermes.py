@@ -25,6 +25,7 @@ class HermesFormat:
 
     name: str = "hermes"
     template_tools: bool = True
+    stop_strings: tuple[str, ...] = ()  # several calls may follow each other in one turn
 
     def system_prompt(self, tools: Sequence[ToolSchema]) -> str:
         """The Qwen2.5 template's tool section, for templates that cannot render tools."""

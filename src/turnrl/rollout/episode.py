@@ -117,6 +117,7 @@ async def _play(
             top_p=sampling.top_p,
             seed=derive_seed(seed, len(traj.turns)),
             stop_token_ids=sampling.stop_token_ids,
+            stop_strings=env.stop_strings(),
         )
         completion = await generate(request)
         ids = completion.token_ids
