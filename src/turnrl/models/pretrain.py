@@ -22,7 +22,11 @@ _PROMPTS = (
     ("The word is {w}. What is the word?", "{w}"),
     ("Please write {w}", "{w}"),
     ("{s}", "{s}"),
+    ("{open}\n{w}\n{close}", "{w}"),
+    ("{open}{s}{close}", "{s}"),
 )
+_BRACKETS = (("(", ")"), ("[", "]"), ('"', '"'), ("```\n", "\n```"), ("<{t}>", "</{t}>"))
+"""Wrappers around the words to repeat; ``{t}`` is a random word (a random markup tag)."""
 
 
 def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[str, str]]]:
@@ -33,10 +37,14 @@ def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[st
         prompt, reply = rng.choice(_PROMPTS)
         word = rng.choice(words)
         span = " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))
+        tag = rng.choice(words)
+        open_, close = (b.format(t=tag) for b in rng.choice(_BRACKETS))
+        fields = {"w": word, "s": span, "open": open_, "close": close}
+        role = "tool" if rng.random() < 0.25 else "user"
         chats.append(
             [
-                {"role": "user", "content": prompt.format(w=word, s=span)},
-                {"role": "assistant", "content": reply.format(w=word, s=span)},
+                {"role": role, "content": prompt.format(**fields)},
+                {"role": "assistant", "content": reply.format(**fields)},
             ]
         )
     return chats
