@@ -70,7 +70,7 @@ class SecretLookup:
         asked = rng.choice(keys)
         return Task(
             id=f"{split}-{index}",
-            prompt=({"role": "user", "content": f"What is the value of \"{asked}\"?"},),
+            prompt=({"role": "user", "content": f'What is the value of "{asked}"?'},),
             answer=table[asked],
             metadata={"table": table, "key": asked},
         )
@@ -109,7 +109,7 @@ class SecretLookup:
         hermes = get_format("hermes")
         lines: list[str] = []
         for k in KEY_NAMES:
-            lines += [f"What is the value of \"{k}\"?", k]
+            lines += [f'What is the value of "{k}"?', k, f" {k}"]
             lines.append(hermes.render_call(ToolCall("lookup", {"key": k})))
         for v in VALUE_NAMES:
             lines += [f"<tool_response>\n{v}\n</tool_response>", v, f" {v}"]

@@ -3,8 +3,10 @@
 Real base models arrive able to copy a word from their context into their reply. A tiny
 model initialised from scratch cannot, and RL would have to discover copying from a sparse
 reward. This stage teaches that one generic ability on task-free chats ("Say tulip." ->
-"tulip", "Repeat: a b c" -> "a b c"): no tools, no tool calls, no tool responses, no
-questions about tables. Loss on the assistant's tokens only.
+"tulip", "Repeat: a b c" -> "a b c", a word inside brackets, quotes, a code fence or a
+random markup tag -> the word): no tools, no tool calls, no tool responses, no questions
+about tables. The words are common English plus every word of the tokenizer's vocabulary
+(``turnrl.models.tiny.vocabulary_words``). Loss on the assistant's tokens only.
 """
 
 from __future__ import annotations
@@ -40,10 +42,9 @@ def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[st
         tag = rng.choice(words)
         open_, close = (b.format(t=tag) for b in rng.choice(_BRACKETS))
         fields = {"w": word, "s": span, "open": open_, "close": close}
-        role = "tool" if rng.random() < 0.25 else "user"
         chats.append(
             [
-                {"role": role, "content": prompt.format(**fields)},
+                {"role": "user", "content": prompt.format(**fields)},
                 {"role": "assistant", "content": reply.format(**fields)},
             ]
         )
