@@ -53,11 +53,10 @@ def rollout_batch(model: Any, tokenizer: Any, *, tasks: int = 4, group: int = 4)
 
 
 def grads_after_step(
-    model: Any, batch: Batch, micro_batch_size: int = 64
+    model: Any, batch: Batch, micro_batch_size: int = 64, **algorithm: Any
 ) -> dict[str, torch.Tensor]:
-    learner = Learner(
-        model, AlgorithmConfig(lr=1e-3, micro_batch_size=micro_batch_size), temperature=1.0
-    )
+    config = AlgorithmConfig(lr=1e-3, micro_batch_size=micro_batch_size, **algorithm)
+    learner = Learner(model, config, temperature=1.0, max_length=64)
     learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # keep grads, skip the update
     learner.step(batch)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -123,10 +122,19 @@ def test_masked_tokens_get_exactly_zero_gradient(model: Any, tokenizer: Any) -> 
         assert torch.allclose(clean[name], padded[name], atol=1e-7), name
 
 
-def test_micro_batching_gives_the_same_gradient(model: Any, tokenizer: Any) -> None:
+@pytest.mark.parametrize(
+    "reduction",
+    ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"],
+)
+@pytest.mark.parametrize("kl", ["k1", "k3+"])
+def test_micro_batching_gives_the_same_gradient(
+    model: Any, tokenizer: Any, reduction: str, kl: str
+) -> None:
     batch = rollout_batch(model, tokenizer, tasks=2, group=3)
-    whole = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=64)
-    pieces = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=1)
+    options = {"loss_reduction": reduction, "kl_estimator": kl, "kl_coef": 0.5}
+    whole = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=64, **options)
+    pieces = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=1, **options)
+    assert any(g.abs().sum() > 0 for g in whole.values())
     for name in whole:
         assert torch.allclose(whole[name], pieces[name], atol=1e-6), name
 

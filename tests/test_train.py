@@ -125,3 +125,25 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
     shutil.rmtree(stopped / "start_model")
     with pytest.raises(ConfigError, match="start_model"):
         train(load_config(None, [*SMALL, "steps=6"]), stopped, resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        ("grpo", [1.5, -0.5, -0.5, -0.5]),  # (R - mean) / unbiased std (0.5)
+        ("dr_grpo", [0.75, -0.25, -0.25, -0.25]),
+        ("rloo", [1.0, -1 / 3, -1 / 3, -1 / 3]),
+    ],
+)
+def test_the_configured_group_estimator_is_used(estimator: str, expected: list[float]) -> None:
+    from turnrl.trainer.loop import group_advantages
+    from turnrl.types import Trajectory
+
+    group = [Trajectory(task_id="t", sample_index=i, reward=float(i == 0)) for i in range(4)]
+    (adv,) = group_advantages([group], estimator=estimator)
+    assert adv == pytest.approx(expected, abs=1e-5)
+
+
+def test_an_unknown_estimator_name_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage"):
+        load_config("quickstart", ["algorithm.advantage=ppo2"])

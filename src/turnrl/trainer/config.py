@@ -79,7 +79,22 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """The policy update (GRPO with a PPO-clip loss and token-mean reduction)."""
+    """The policy update: group advantages, a PPO-clip loss, a reduction, an optional KL.
+
+    Each estimator is chosen by name here, once (ALGORITHMS.md defines them all).
+    """
+
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Group advantage estimator: GRPO (mean and unbiased std of the group), Dr. GRPO (mean
+    only), RLOO (leave-one-out mean)."""
+    loss_reduction: Literal[
+        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+    ] = "token_mean"
+    """How per-token losses become one number; normalisers are those of the whole batch, so
+    micro-batching does not change the update. ``seq_mean_token_sum_norm`` divides by
+    ``rollout.max_episode_tokens`` (Dr. GRPO's constant)."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    """Estimator of KL(policy || reference) per token, added to the loss as ``kl_coef`` x it."""
 
     lr: float = 1e-3
     """AdamW learning rate."""
@@ -92,7 +107,7 @@ class AlgorithmConfig:
     eps_high: float = 0.2
     """PPO clip: upper bound 1 + eps_high (DAPO's clip-higher uses 0.28)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to the reference policy (the policy when RL starts),
+    """Weight of the KL estimate to the reference policy (the policy when RL starts),
     added to the loss; 0 loads no reference model."""
     epochs: int = 1
     """Optimizer steps per rollout batch (PPO epochs); the first is on-policy."""

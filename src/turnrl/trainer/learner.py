@@ -14,7 +14,16 @@ from typing import Any
 
 import torch
 
-from turnrl.algorithms import clipped_policy_loss, kl_k3, masked_mean, token_mean
+from turnrl.algorithms import (
+    KL_ESTIMATORS,
+    clipped_policy_loss,
+    masked_mean,
+    seq_mean_token_mean,
+    seq_mean_token_sum,
+    seq_mean_token_sum_norm,
+    token_mean,
+)
+from turnrl.errors import ConfigError
 from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.types import Sample
@@ -103,10 +112,15 @@ class Learner:
         *,
         temperature: float,
         reference: Any = None,
+        max_length: int = 0,
     ) -> None:
+        if config.loss_reduction == "seq_mean_token_sum_norm" and max_length <= 0:
+            raise ConfigError("loss_reduction seq_mean_token_sum_norm needs max_length > 0")
         self.model = model
         self.config = config
         self.temperature = temperature
+        self.max_length = max_length
+        self.kl_estimator = KL_ESTIMATORS[config.kl_estimator]
         self.ref_model: Any = None
         if config.kl_coef > 0:
             ref = reference if reference is not None else copy.deepcopy(model)
@@ -143,7 +157,9 @@ class Learner:
         num_sequences = sum(mb.num_sequences for mb in micro)
         # Pass 0 is on-policy: its ratio is 1 and its log-prob gap is the sampler/learner
         # mismatch. Further passes (``epochs`` > 1) reuse the batch; the clip bounds them.
-        passes = [self._pass(micro, num_tokens) for _ in range(cfg.epochs)]
+        num_seqs = torch.stack([mb.loss_mask.any(-1).sum() for mb in micro]).sum().clamp(min=1)
+        norms = (num_tokens, num_seqs.float())
+        passes = [self._pass(micro, norms) for _ in range(cfg.epochs)]
         totals, grad_norm = passes[0]
         clipped = sum(t["clipped"] for t, _ in passes) / len(passes)
         return {
@@ -158,11 +174,27 @@ class Learner:
             "train/num_sequences": float(num_sequences),
         }
 
+    def _reduce(
+        self, per_token: torch.Tensor, mask: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """The configured reduction with the whole batch's normaliser (exact accumulation)."""
+        num_tokens, num_seqs = norms
+        match self.config.loss_reduction:
+            case "token_mean":
+                return token_mean(per_token, mask, num_tokens)
+            case "seq_mean_token_mean":
+                return seq_mean_token_mean(per_token, mask, num_seqs)
+            case "seq_mean_token_sum":
+                return seq_mean_token_sum(per_token, mask, num_seqs)
+            case "seq_mean_token_sum_norm":
+                return seq_mean_token_sum_norm(per_token, mask, float(self.max_length))
+
     def _pass(
-        self, micro: Sequence[Batch], num_tokens: torch.Tensor
+        self, micro: Sequence[Batch], norms: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[dict[str, float], float]:
         """One optimizer step over all micro-batches; returns its totals and grad norm."""
         cfg = self.config
+        num_tokens = norms[0]
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(("loss", "kl", "entropy", "clipped", "abs_gap", "max_gap"), 0.0)
         for mb in micro:
@@ -177,7 +209,7 @@ class Learner:
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
             )
-            loss = token_mean(out.per_token_loss, mb.loss_mask, num_tokens)
+            loss = self._reduce(out.per_token_loss, mb.loss_mask, norms)
             totals["loss"] += float(loss.detach())
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -185,7 +217,9 @@ class Learner:
                         self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
                         self.temperature,
                     )  # fmt: skip
-                kl = token_mean(kl_k3(logprobs, ref, mb.loss_mask), mb.loss_mask, num_tokens)
+                kl = self._reduce(
+                    self.kl_estimator(logprobs, ref, mb.loss_mask), mb.loss_mask, norms
+                )
                 loss = loss + cfg.kl_coef * kl
                 totals["kl"] += float(kl.detach())
             torch.autograd.backward(loss)

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
-from turnrl.algorithms import grpo_advantages
+from turnrl.algorithms import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import EnvSpec, make_env_spec
 from turnrl.errors import ConfigError
@@ -115,7 +115,13 @@ def train(
                     "policy) is missing"
                 )
             reference = load_model(run_dir / "start_model")
-        learner = Learner(model, config.algorithm, temperature=r.temperature, reference=reference)
+        learner = Learner(
+            model,
+            config.algorithm,
+            temperature=r.temperature,
+            reference=reference,
+            max_length=r.max_episode_tokens,
+        )
         backend = TorchBackend(model, tokenizer)
         start = 0
         if checkpoint is not None:
@@ -238,7 +244,9 @@ def _train_step(
     )  # fmt: skip
     groups = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
     t1 = time.perf_counter()
-    advantages = group_advantages(groups, shuffle_seed=_shuffle_seed(config, step))
+    advantages = group_advantages(
+        groups, shuffle_seed=_shuffle_seed(config, step), estimator=config.algorithm.advantage
+    )
     samples, sample_adv = [], []
     for group, group_adv in zip(groups, advantages, strict=True):
         keep = {id(t) for t in trainable(group)}
@@ -278,10 +286,22 @@ def _shuffle_seed(config: Config, step: int) -> int | None:
     return None
 
 
+ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+"""Group advantage estimators by ``algorithm.advantage`` name, ``[1, G] -> [1, G]``."""
+
+
 def group_advantages(
-    groups: Sequence[Sequence[Trajectory]], *, shuffle_seed: int | None = None
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    shuffle_seed: int | None = None,
+    estimator: str = "grpo",
 ) -> list[list[float]]:
-    """GRPO advantages per group, over the members without an infrastructure error.
+    """Advantages per group (``estimator`` of ``ADVANTAGES``), over the members without an
+    infrastructure error.
 
     Errored members get advantage 0 (they are excluded from training anyway). With
     ``shuffle_seed`` the rewards are first permuted across the whole batch: the negative
@@ -298,7 +318,11 @@ def group_advantages(
         valid = [i for i, t in enumerate(group) if t.error is None]
         adv = [0.0] * len(group)
         if valid:
-            values = grpo_advantages(torch.tensor([[group_rewards[i] for i in valid]]))[0]
+            rewards_row = torch.tensor([[group_rewards[i] for i in valid]])
+            if estimator == "rloo" and len(valid) < 2:
+                values = torch.zeros_like(rewards_row[0])  # no other member to compare with
+            else:
+                values = ADVANTAGES[estimator](rewards_row)[0]
             for i, a in zip(valid, values.tolist(), strict=True):
                 adv[i] = float(a)
         out.append(adv)
