@@ -337,17 +337,3 @@ def test_echo_tuning_teaches_generic_copying(tmp_path: Path) -> None:
     )
     info = json.loads((out / "turnrl_model.json").read_text())
     assert info["echo_loss_last"] < info["echo_loss_first"]
-
-
-def test_probe_keys_and_values_are_one_token_alone_and_after_a_space() -> None:
-    from turnrl.envs.secret_lookup import KEY_NAMES, VALUE_NAMES, SecretLookup
-    from turnrl.models.tiny import build_tokenizer, default_corpus, vocabulary_words
-
-    tok = build_tokenizer([*default_corpus(), *SecretLookup().corpus()], 1024)
-    words = set(vocabulary_words(tok))
-    for word in (*KEY_NAMES, *VALUE_NAMES):
-        # a tool response holds "cat", an answer starts with "cat": copying is one token
-        assert len(tok.encode(word, add_special_tokens=False)) == 1, word
-        assert len(tok.encode(" " + word, add_special_tokens=False)) == 1, word
-        assert word in words
-    assert all(w.isalpha() and len(w) >= 2 for w in words)

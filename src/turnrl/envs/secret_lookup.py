@@ -70,7 +70,7 @@ class SecretLookup:
         asked = rng.choice(keys)
         return Task(
             id=f"{split}-{index}",
-            prompt=({"role": "user", "content": f'What is the value of "{asked}"?'},),
+            prompt=({"role": "user", "content": f"What is the value of {asked}?"},),
             answer=table[asked],
             metadata={"table": table, "key": asked},
         )
@@ -103,16 +103,11 @@ class SecretLookup:
         return [call, rng.choice(VALUE_NAMES[: self.num_values])]
 
     def corpus(self) -> list[str]:
-        """Text for a tiny tokenizer: the keys and values alone, in questions, in calls and
-        in tool responses, often enough that each is one token with or without a leading
-        space (as in a real model's large vocabulary)."""
+        """Text for a tiny tokenizer: every key and value, questions and calls."""
         hermes = get_format("hermes")
-        lines: list[str] = []
-        for k in KEY_NAMES:
-            lines += [f'What is the value of "{k}"?', k, f" {k}"]
-            lines.append(hermes.render_call(ToolCall("lookup", {"key": k})))
-        for v in VALUE_NAMES:
-            lines += [f"<tool_response>\n{v}\n</tool_response>", v, f" {v}"]
+        lines = [f"What is the value of {k}?" for k in KEY_NAMES]
+        lines += [hermes.render_call(ToolCall("lookup", {"key": k})) for k in KEY_NAMES]
+        lines += [" ".join(VALUE_NAMES), *VALUE_NAMES, *KEY_NAMES]
         return lines * 20
 
 

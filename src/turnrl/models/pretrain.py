@@ -3,10 +3,8 @@
 Real base models arrive able to copy a word from their context into their reply. A tiny
 model initialised from scratch cannot, and RL would have to discover copying from a sparse
 reward. This stage teaches that one generic ability on task-free chats ("Say tulip." ->
-"tulip", "Repeat: a b c" -> "a b c", a word inside brackets, quotes, a code fence or a
-random markup tag -> the word): no tools, no tool calls, no tool responses, no questions
-about tables. The words are common English plus every word of the tokenizer's vocabulary
-(``turnrl.models.tiny.vocabulary_words``). Loss on the assistant's tokens only.
+"tulip", "Repeat: a b c" -> "a b c"): no tools, no tool calls, no tool responses, no
+questions about tables. Loss on the assistant's tokens only.
 """
 
 from __future__ import annotations
@@ -24,11 +22,7 @@ _PROMPTS = (
     ("The word is {w}. What is the word?", "{w}"),
     ("Please write {w}", "{w}"),
     ("{s}", "{s}"),
-    ("{open}\n{w}\n{close}", "{w}"),
-    ("{open}{s}{close}", "{s}"),
 )
-_BRACKETS = (("(", ")"), ("[", "]"), ('"', '"'), ("```\n", "\n```"), ("<{t}>", "</{t}>"))
-"""Wrappers around the words to repeat; ``{t}`` is a random word (a random markup tag)."""
 
 
 def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[str, str]]]:
@@ -39,13 +33,10 @@ def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[st
         prompt, reply = rng.choice(_PROMPTS)
         word = rng.choice(words)
         span = " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))
-        tag = rng.choice(words)
-        open_, close = (b.format(t=tag) for b in rng.choice(_BRACKETS))
-        fields = {"w": word, "s": span, "open": open_, "close": close}
         chats.append(
             [
-                {"role": "user", "content": prompt.format(**fields)},
-                {"role": "assistant", "content": reply.format(**fields)},
+                {"role": "user", "content": prompt.format(w=word, s=span)},
+                {"role": "assistant", "content": reply.format(w=word, s=span)},
             ]
         )
     return chats

@@ -349,21 +349,6 @@ def _split_special(corpus: Iterable[str]) -> Iterator[str]:
         yield from (piece for piece in _SPECIAL_SPLIT.split(text) if piece)
 
 
-def vocabulary_words(tokenizer: Any) -> list[str]:
-    """Every word the tokenizer holds as one token after a space (" word"), sorted.
-
-    These are the words the echo stage teaches the model to copy: its whole vocabulary's
-    words, whatever text the tokenizer was trained on (no list of task words is involved).
-    """
-    words = set()
-    for token in tokenizer.get_vocab():
-        text = tokenizer.convert_tokens_to_string([token])
-        word = text[1:]
-        if text.startswith(" ") and len(word) >= 2 and word.isascii() and word.isalpha():
-            words.add(word)
-    return sorted(words)
-
-
 def build_tiny_model(
     out_dir: str | Path,
     config: TinyModelConfig = TinyModelConfig(),
@@ -396,12 +381,7 @@ def build_tiny_model(
     num_parameters = sum(p.numel() for p in model.parameters())
     echo_losses = (
         pretrain_echo(
-            model,
-            tokenizer,
-            sorted({*_WORDS, *vocabulary_words(tokenizer)}),
-            steps=config.echo_steps,
-            seed=config.seed,
-            progress=progress,
+            model, tokenizer, _WORDS, steps=config.echo_steps, seed=config.seed, progress=progress
         )
         if config.echo_steps
         else []
