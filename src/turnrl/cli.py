@@ -1,4 +1,4 @@
-"""The ``turnrl`` command line: train, build a tiny model, list environments, report.
+"""The ``turnrl`` command line: train, build a tiny model, list and check environments, report.
 
 Errors turnrl raises on purpose (bad config, missing model, ...) print one clear line and
 exit with status 2; anything else is a bug and keeps its traceback.
@@ -7,11 +7,13 @@ exit with status 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from turnrl.errors import TurnrlError
+from turnrl.errors import ConfigError, TurnrlError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +63,20 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--overwrite", action="store_true")
     init.set_defaults(run=_init_model)
 
-    envs = sub.add_parser("envs", help="list registered environments")
-    envs.add_argument("action", choices=["list"])
-    envs.set_defaults(run=_envs)
+    envs = sub.add_parser("envs", help="list registered environments, or check one")
+    envs_sub = envs.add_subparsers(dest="envs_command", required=True)
+    envs_sub.add_parser("list", help="list registered environments").set_defaults(run=_envs)
+    check = envs_sub.add_parser(
+        "check", help="check an environment's contract; exit 1 if a check fails"
+    )
+    check.add_argument("name", help="a registered environment (see `turnrl envs list`)")
+    check.add_argument("--tasks", type=int, default=20, help="seeded test tasks to play")
+    check.add_argument("--seed", type=int, default=0, help="seed of the episodes")
+    check.add_argument(
+        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment option, e.g. --set slip_prob=0.2 (repeatable; JSON values)",
+    )  # fmt: skip
+    check.set_defaults(run=_envs_check)
 
     report = sub.add_parser("report", help="(re)write report.html of a run directory")
     report.add_argument("run_dir", type=Path)
@@ -119,6 +132,33 @@ def _envs(args: argparse.Namespace) -> int:
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         print(f"{name:20s} {doc}")
     return 0
+
+
+def _envs_check(args: argparse.Namespace) -> int:
+    from turnrl.envs import check_env, make_env_spec
+    from turnrl.envs.policy import HasCard
+
+    spec = make_env_spec(args.name, **_env_options(args.options))
+    if isinstance(spec, HasCard):
+        print("\n".join(spec.card.lines()), end="\n\n")
+    report = check_env(spec, num_tasks=args.tasks, seed=args.seed)
+    print(report.table())
+    print(f"turnrl: envs check {args.name}: {'passed' if report.ok else 'FAILED'}")
+    return 0 if report.ok else 1
+
+
+def _env_options(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as options; a value is read as JSON, else kept as a string."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -1,7 +1,24 @@
 """Environments: tasks, tools and verifiers. No torch here (env authors need no ML stack)."""
 
+from turnrl.envs.card import EnvCard
+from turnrl.envs.check import EnvReport, check_env
+from turnrl.envs.games import Bandit, FrozenLake, GameEnv, Sokoban
 from turnrl.envs.registry import ENVIRONMENTS, EnvSpec, make_env_spec
 from turnrl.envs.secret_lookup import SecretLookup
 from turnrl.envs.tool_env import ToolEnv, Verifier
 
-__all__ = ["ENVIRONMENTS", "EnvSpec", "SecretLookup", "ToolEnv", "Verifier", "make_env_spec"]
+__all__ = [
+    "ENVIRONMENTS",
+    "Bandit",
+    "EnvCard",
+    "EnvReport",
+    "EnvSpec",
+    "FrozenLake",
+    "GameEnv",
+    "SecretLookup",
+    "Sokoban",
+    "ToolEnv",
+    "Verifier",
+    "check_env",
+    "make_env_spec",
+]

@@ -6,6 +6,7 @@ import dataclasses
 import random
 from typing import Any, Protocol
 
+from turnrl.envs.games import Bandit, FrozenLake, Sokoban
 from turnrl.envs.secret_lookup import SecretLookup
 from turnrl.errors import ConfigError
 from turnrl.protocols import Env
@@ -13,7 +14,13 @@ from turnrl.types import Task
 
 
 class EnvSpec(Protocol):
-    """A named environment family: tasks by index, fresh env per episode, a format teacher."""
+    """A named environment family: tasks by index, fresh env per episode, a format teacher.
+
+    A family may also offer ``oracle(task)`` (a scripted policy that solves its tasks, see
+    ``turnrl.envs.policy``), a ``card`` (``turnrl.envs.card.EnvCard``), ``chance`` (the
+    random policy's success) and ``reward_range`` (default ``(0.0, 1.0)``); ``turnrl envs
+    check`` and ``benchmarks/envs.py`` use them where present.
+    """
 
     name: str
 
@@ -26,7 +33,12 @@ class EnvSpec(Protocol):
     def corpus(self) -> list[str]: ...
 
 
-ENVIRONMENTS: dict[str, type[Any]] = {"secret_lookup": SecretLookup}
+ENVIRONMENTS: dict[str, type[Any]] = {
+    "secret_lookup": SecretLookup,
+    "sokoban": Sokoban,
+    "frozen_lake": FrozenLake,
+    "bandit": Bandit,
+}
 
 
 def make_env_spec(name: str, **options: Any) -> EnvSpec:
