@@ -2,14 +2,16 @@
 
 ``train`` reads top to bottom: build or load the model, warm it up on format
 demonstrations, then each step collects groups of episodes, turns rewards into GRPO
-advantages, trains on the token-exact samples and writes one metrics row. Everything a
-run produces goes into its run directory (DESIGN.md "The main job").
+advantages, trains on the token-exact samples and writes one metrics row, which the
+collapse monitors check (monitors.py; alarms go to alarms.jsonl and may stop the run).
+Everything a run produces goes into its run directory (DESIGN.md "The main job").
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -39,18 +41,22 @@ from turnrl.trainer.checkpoint import (
 )
 from turnrl.trainer.config import Config
 from turnrl.trainer.learner import Learner
+from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 from turnrl.types import Trajectory
 
 Row = dict[str, Any]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RunResult:
-    """What ``train`` returns: where the run lives and every metrics row it wrote."""
+    """What ``train`` returns: where the run lives, every metrics row and alarm it wrote."""
 
     run_dir: Path
     rows: list[Row] = field(default_factory=list)
+    alarms: list[Alarm] = field(default_factory=list)
 
 
 def train(
@@ -91,6 +97,7 @@ def train(
     with (
         (run_dir / "metrics.jsonl").open("a") as metrics_out,
         (run_dir / "trajectories.jsonl").open("a") as traj_out,
+        (run_dir / "alarms.jsonl").open("a") as alarms_out,
     ):
 
         def emit(row: Row) -> None:
@@ -127,6 +134,9 @@ def train(
         if checkpoint is not None:
             state = load_trainer_state(checkpoint, learner.optimizer)
             start, backend.policy_version = state.step, state.policy_version
+        monitor = Monitor(config.monitor)
+        if checkpoint is not None:  # replay the run so far: raised alarms stay latched
+            monitor.replay(read_rows(run_dir / "metrics.jsonl"), until_step=start)
 
         def evaluate() -> Row:
             tasks = [spec.task(i, split="test") for i in range(config.eval.num_tasks)]
@@ -150,14 +160,22 @@ def train(
         for step in bar:
             row = _train_step(config, step, spec, backend, learner, renderer, limits,
                               sampling, traj_out)  # fmt: skip
+            alarms = monitor.update(row)
+            stop = bool(alarms) and config.monitor.action == "stop"
             done = step + 1
             out_of_time = (
                 config.max_minutes > 0 and time.perf_counter() - started > 60 * config.max_minutes
             )
-            last = done == config.steps or out_of_time
+            last = done == config.steps or out_of_time or stop
             if done % config.eval.every == 0 or last:
                 row.update(evaluate())
             row["perf/elapsed_s"] = time.perf_counter() - started
+            for alarm in alarms:
+                row[f"alarm/{alarm.name}"] = 1.0
+                alarms_out.write(json.dumps(alarm.to_json()) + "\n")
+                _say(alarm.message(), progress)
+            alarms_out.flush()
+            result.alarms.extend(alarms)
             emit(row)
             bar.set_postfix(
                 success=f"{row['rollout/success_mean']:.2f}",
@@ -166,12 +184,22 @@ def train(
             if done % config.save_every == 0 or last:
                 state = TrainerState(step=done, policy_version=backend.policy_version)
                 save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
-            if out_of_time:
+            if stop:
+                _say(f"stopping after step {done}: monitor.action = stop", progress)
+            if out_of_time or stop:
                 break
         if config.steps == 0 or start >= config.steps:
             state = TrainerState(step=start, policy_version=backend.policy_version)
             save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
     return result
+
+
+def _say(message: str, progress: bool) -> None:
+    """Print above the progress bar, or log when there is none."""
+    if progress:
+        tqdm.write(f"turnrl: {message}")
+    else:
+        logger.warning(message)
 
 
 def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
