@@ -26,3 +26,21 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 @pytest.fixture
 def model(tiny_model_dir: Path) -> Any:
     return load_model(tiny_model_dir)
+
+
+SMALL_RUN = [  # a run of a few seconds: a tiny model, two steps, two tiny groups
+    "steps=2",
+    "save_every=1",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.vocab_size=512",
+    "model.echo_steps=0",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_tokens_per_turn=24",
+    "warmup.steps=2",
+    "warmup.batch_size=4",
+    "eval.every=1",
+    "eval.num_tasks=4",
+]

@@ -16,28 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMALL_RUN
 from turnrl.errors import ConfigError
 from turnrl.trainer.config import MonitorConfig, load_config
 from turnrl.trainer.loop import train
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 
 Row = dict[str, float]
-SMALL = [  # the small, fast run of test_train.py
-    "steps=2",
-    "save_every=1",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.vocab_size=512",
-    "model.echo_steps=0",
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=2",
-    "rollout.max_tokens_per_turn=24",
-    "warmup.steps=2",
-    "warmup.batch_size=4",
-    "eval.every=1",
-    "eval.num_tasks=4",
-]
+SMALL = SMALL_RUN
 P, G = 16, 8
 
 
