@@ -1,11 +1,16 @@
-"""Shared fixtures: one tiny model per test session, built locally in seconds."""
+"""Shared fixtures and helpers: one tiny model per test session, built locally in seconds;
+a small-run configuration; float64 tensor helpers for the algorithm tests."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from hypothesis import settings
+from torch import Tensor
 
 from turnrl.envs import SecretLookup
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
@@ -44,3 +49,17 @@ SMALL_RUN = [  # a run of a few seconds: a tiny model, two steps, two tiny group
     "eval.every=1",
     "eval.num_tasks=4",
 ]
+
+
+# Shared by the tensor tests of turnrl.algorithms: exact float64 inputs, modest hypothesis runs.
+PROPERTY = settings(max_examples=50, deadline=None)
+F64 = torch.float64
+NAN = math.nan
+
+
+def t(values: object) -> Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+def bools(values: object) -> Tensor:
+    return torch.tensor(values, dtype=torch.bool)

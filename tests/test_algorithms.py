@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
 import turnrl.algorithms
+from conftest import F64, PROPERTY, t
 from turnrl.algorithms import (
     PolicyLossOutput,
     clip_fraction,
@@ -31,13 +32,6 @@ from turnrl.algorithms import (
     token_mean,
     zero_variance_groups,
 )
-
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
 
 
 def test_public_api_is_pinned() -> None:

@@ -10,10 +10,11 @@ from collections import defaultdict
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
+from conftest import F64, NAN, PROPERTY, bools, t
 from turnrl.algorithms import (
     discounted_step_returns,
     dr_grpo_advantages,
@@ -26,18 +27,7 @@ from turnrl.algorithms import (
     step_group_advantages,
 )
 
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-NAN = math.nan
 POISON = st.sampled_from([math.inf, -math.inf, math.nan, 1e30])
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def bools(values: object) -> Tensor:
-    return torch.tensor(values, dtype=torch.bool)
 
 
 def quarters(draw: st.DrawFn, n: int, lo: int = -8, hi: int = 8) -> list[float]:

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
+from conftest import F64, NAN, PROPERTY, bools, t
 from turnrl.algorithms import (
     gae_advantages,
     turn_end_mask,
@@ -20,19 +21,6 @@ from turnrl.algorithms import (
     turn_level_gae_advantages,
     turn_values_to_tokens,
 )
-
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-NAN = math.nan
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def bools(values: object) -> Tensor:
-    return torch.tensor(values, dtype=torch.bool)
-
 
 # --- ALGORITHMS.md vectors and hand-computed cases ----------------------------------------
 

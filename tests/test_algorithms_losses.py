@@ -12,10 +12,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
+from conftest import F64, NAN, PROPERTY, bools, t
 from turnrl.algorithms import (
     KL_ESTIMATORS,
     clip_fraction,
@@ -31,18 +32,7 @@ from turnrl.algorithms import (
     token_mean,
 )
 
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-NAN = math.nan
 POISON = st.sampled_from([math.inf, -math.inf, math.nan, 1e30, -1e30])
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def bools(values: object) -> Tensor:
-    return torch.tensor(values, dtype=torch.bool)
 
 
 @contextmanager

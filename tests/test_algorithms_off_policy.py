@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
+from conftest import F64, NAN, PROPERTY, bools, t
 from turnrl.algorithms import (
     clip_fraction,
     clipped_policy_loss,
@@ -23,18 +24,7 @@ from turnrl.algorithms import (
     token_tis_weights,
 )
 
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-NAN = math.nan
 POISON = st.sampled_from([math.inf, -math.inf, math.nan, 1e30, -1e30])
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def bools(values: object) -> Tensor:
-    return torch.tensor(values, dtype=torch.bool)
 
 
 def logprobs_with_ratios(ratios: list[list[float]]) -> tuple[Tensor, Tensor]:

@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
+from conftest import F64, NAN, PROPERTY, t
 from turnrl.algorithms import (
     clipped_policy_loss,
     seq_mean_token_mean,
@@ -22,9 +23,6 @@ from turnrl.algorithms import (
     token_mean,
 )
 
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-NAN = math.nan
 MAX_LENGTH = 16.0  # L for seq-mean-token-sum-norm: a constant, not the padded width
 
 # Each mode with its normaliser: (reduce(per_token_loss, loss_mask, normaliser or None),
@@ -39,10 +37,6 @@ MODES: dict[str, tuple[Reduce, Callable[[Tensor], float | Tensor]]] = {
         lambda mask: MAX_LENGTH,
     ),
 }
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
 
 
 def test_hand_computed_values_of_every_mode() -> None:

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from torch import Tensor
 
+from conftest import F64, PROPERTY, t
 from turnrl.algorithms import (
     group_reward_std,
     informative_groups,
@@ -18,14 +18,6 @@ from turnrl.algorithms import (
     overlong_penalty,
     top_variance_groups,
 )
-
-PROPERTY = settings(max_examples=50, deadline=None)
-F64 = torch.float64
-
-
-def t(values: object) -> Tensor:
-    return torch.tensor(values, dtype=F64)
-
 
 # --- DAPO dynamic sampling ---------------------------------------------------------------
 
