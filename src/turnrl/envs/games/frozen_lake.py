@@ -32,6 +32,7 @@ from turnrl.envs.games.grid import (
     move_call,
     neighbour,
     perpendicular,
+    random_moves,
     where,
 )
 from turnrl.envs.policy import Policy
@@ -190,9 +191,8 @@ class FrozenLake:
         return _Oracle(lake, self.slip_prob, tables)
 
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
-        """Random moves, one per turn: the call format with random content (the warm-up's
-        job is grammar, not the solution); replayed, they are the random policy."""
-        return [move_call(rng.choice(DIRECTIONS)) for _ in range(self.max_turns)]
+        """Random moves, one per turn (``grid.random_moves``)."""
+        return random_moves(rng, self.max_turns)
 
     def corpus(self) -> list[str]:
         """Prompts, maps and calls, for a tiny tokenizer."""

@@ -3,6 +3,7 @@ board back out of a conversation (the oracles read the same text the model reads
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Literal
 
@@ -43,6 +44,13 @@ def perpendicular(direction: Direction) -> tuple[Direction, Direction]:
 def move_call(direction: Direction) -> str:
     """The hermes text of one ``move`` call (what oracles and demonstrations say)."""
     return get_format("hermes").render_call(ToolCall("move", {"direction": direction}))
+
+
+def random_moves(rng: random.Random, turns: int) -> list[str]:
+    """A warm-up demonstration for a move game: one random ``move`` call per turn. It shows
+    the call format with random content (grammar, not the solution); replayed, it is the
+    random policy."""
+    return [move_call(rng.choice(DIRECTIONS)) for _ in range(turns)]
 
 
 def where(cell: Cell) -> str:

@@ -17,7 +17,14 @@ from functools import cached_property
 from turnrl.envs.card import EnvCard
 from turnrl.envs.games import sokoban_rules as rules
 from turnrl.envs.games.game_env import GameEnv, Outcome
-from turnrl.envs.games.grid import DIRECTIONS, Direction, latest_board, move_call, where
+from turnrl.envs.games.grid import (
+    DIRECTIONS,
+    Direction,
+    latest_board,
+    move_call,
+    random_moves,
+    where,
+)
 from turnrl.envs.policy import Policy
 from turnrl.errors import ConfigError
 from turnrl.tools import Tool, ToolSet
@@ -93,9 +100,8 @@ class Sokoban:
         return _Oracle()
 
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
-        """Random moves, one per turn: the call format with random content (the warm-up's
-        job is grammar, not the solution); replayed, they are the random policy."""
-        return [move_call(rng.choice(DIRECTIONS)) for _ in range(self.max_turns)]
+        """Random moves, one per turn (``grid.random_moves``)."""
+        return random_moves(rng, self.max_turns)
 
     def corpus(self) -> list[str]:
         """Prompts, boards and calls, for a tiny tokenizer."""
