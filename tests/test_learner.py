@@ -102,8 +102,9 @@ def test_masked_tokens_get_exactly_zero_gradient(model: Any, tokenizer: Any) -> 
     clean = grads_after_step(copy.deepcopy(model), batch)
     # Garbage where the mask is 0 must not reach the gradient, not even as NaN.
     poisoned_old = torch.where(batch.loss_mask, batch.old_logprobs, torch.nan)
+    poisoned_adv = torch.where(batch.loss_mask, batch.advantages, torch.nan)
     poisoned = Batch(
-        batch.input_ids, batch.attention_mask, batch.loss_mask, poisoned_old, batch.advantages
+        batch.input_ids, batch.attention_mask, batch.loss_mask, poisoned_old, poisoned_adv
     )
     dirty = grads_after_step(copy.deepcopy(model), poisoned)
     assert clean.keys() == dirty.keys()
@@ -115,7 +116,7 @@ def test_masked_tokens_get_exactly_zero_gradient(model: Any, tokenizer: Any) -> 
         torch.cat([batch.attention_mask, batch.attention_mask[:1]]),
         torch.cat([batch.loss_mask, torch.zeros_like(batch.loss_mask[:1])]),
         torch.cat([batch.old_logprobs, batch.old_logprobs[:1]]),
-        torch.cat([batch.advantages, torch.tensor([5.0])]),
+        torch.cat([batch.advantages, torch.full_like(batch.advantages[:1], 5.0)]),
     )
     padded = grads_after_step(copy.deepcopy(model), pad_row)
     for name in clean:

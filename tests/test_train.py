@@ -122,7 +122,7 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
     ],
 )
 def test_the_configured_group_estimator_is_used(estimator: str, expected: list[float]) -> None:
-    from turnrl.trainer.loop import group_advantages
+    from turnrl.trainer.credit import group_advantages
     from turnrl.types import Trajectory
 
     group = [Trajectory(task_id="t", sample_index=i, reward=float(i == 0)) for i in range(4)]

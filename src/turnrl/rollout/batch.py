@@ -1,7 +1,8 @@
 """From trajectories to a padded training batch, token-exact.
 
 Each trajectory yields one sample per run of contiguous turns (``Trajectory.samples``);
-every sample carries its trajectory's advantage. Trajectories with an infrastructure
+every sample carries its trajectory's advantage, or one advantage per token when the
+estimator gives each turn its own (GiGPO). Trajectories with an infrastructure
 ``error`` are excluded here, by one visible rule, and counted by the caller.
 """
 
@@ -19,15 +20,16 @@ from turnrl.types import Sample, Trajectory
 class Batch:
     """Right-padded tensors, B sequences x T tokens.
 
-    ``loss_mask`` is 1 exactly on sampled tokens; ``old_logprobs`` holds the sampler's
-    log-probs there (0 elsewhere); ``advantages`` is one value per sequence.
+        ``loss_mask`` is 1 exactly on sampled tokens; ``old_logprobs`` holds the sampler's
+        log-probs there (0 elsewhere); ``advantages`` holds one value per token (a sequence-level
+    advantage is repeated along its row).
     """
 
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] bool
     old_logprobs: torch.Tensor  # [B, T] float
-    advantages: torch.Tensor  # [B] float
+    advantages: torch.Tensor  # [B, T] float
 
     @property
     def num_sequences(self) -> int:
@@ -48,8 +50,13 @@ def trainable(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
     return [t for t in trajectories if t.error is None and t.turns]
 
 
-def pack(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int) -> Batch:
-    """Pad ``samples`` on the right into one batch."""
+def pack(
+    samples: Sequence[Sample], advantages: Sequence[float | Sequence[float]], pad_id: int
+) -> Batch:
+    """Pad ``samples`` on the right into one batch.
+
+    Each advantage is one number for the whole sample or one number per token of it.
+    """
     if len(samples) != len(advantages):
         raise ValueError("one advantage per sample is required")
     if not samples:
@@ -59,10 +66,17 @@ def pack(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int) ->
     attention = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.bool)
     old = torch.zeros((B, T), dtype=torch.float32)
-    for i, s in enumerate(samples):
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    for i, (s, a) in enumerate(zip(samples, advantages, strict=True)):
         n = len(s.input_ids)
         input_ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         attention[i, :n] = 1
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         old[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return Batch(input_ids, attention, mask, old, torch.tensor(advantages, dtype=torch.float32))
+        if isinstance(a, int | float):
+            adv[i, :n] = float(a)
+        elif len(a) == n:
+            adv[i, :n] = torch.tensor(a, dtype=torch.float32)
+        else:
+            raise ValueError(f"sample {i} has {n} tokens but {len(a)} per-token advantages")
+    return Batch(input_ids, attention, mask, old, adv)

@@ -84,9 +84,14 @@ class AlgorithmConfig:
     Each estimator is chosen by name here, once (ALGORITHMS.md defines them all).
     """
 
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Group advantage estimator: GRPO (mean and unbiased std of the group), Dr. GRPO (mean
-    only), RLOO (leave-one-out mean)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gigpo"] = "grpo"
+    """Advantage estimator: GRPO (mean and unbiased std of the group), Dr. GRPO (mean
+    only), RLOO (leave-one-out mean), or GiGPO (GRPO per episode plus a step-level term
+    among turns of one task that saw an identical context; one advantage per turn)."""
+    gigpo_gamma: float = 0.95
+    """GiGPO: discount of the step-level returns."""
+    gigpo_omega: float = 1.0
+    """GiGPO: weight of the step-level term."""
     loss_reduction: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
     ] = "token_mean"
@@ -244,6 +249,8 @@ class Config:
             (self.algorithm.eps_high >= 0.0, "algorithm.eps_high must be >= 0"),
             (self.algorithm.kl_coef >= 0.0, "algorithm.kl_coef must be >= 0"),
             (self.algorithm.epochs >= 1, "algorithm.epochs must be >= 1"),
+            (0.0 <= self.algorithm.gigpo_gamma <= 1.0, "algorithm.gigpo_gamma must be in [0, 1]"),
+            (self.algorithm.gigpo_omega >= 0.0, "algorithm.gigpo_omega must be >= 0"),
             (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
             (self.eval.every >= 1, "eval.every must be >= 1"),
             (self.save_every >= 1, "save_every must be >= 1"),

@@ -130,7 +130,10 @@ class Learner:
         )
 
     def step_samples(
-        self, samples: Sequence[Sample], advantages: Sequence[float], pad_id: int
+        self,
+        samples: Sequence[Sample],
+        advantages: Sequence[float | Sequence[float]],
+        pad_id: int,
     ) -> dict[str, float]:
         """One update from token-exact samples: micro-batches of similar length, so little
         work is spent on padding; the result equals one update on the whole batch."""
@@ -204,7 +207,7 @@ class Learner:
             out = clipped_policy_loss(
                 logprobs,
                 mb.old_logprobs,
-                mb.advantages[:, None],
+                mb.advantages if mb.advantages.ndim == 2 else mb.advantages[:, None],
                 mb.loss_mask,
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
-from turnrl.algorithms import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import EnvSpec, make_env_spec
 from turnrl.errors import ConfigError
@@ -40,10 +38,11 @@ from turnrl.trainer.checkpoint import (
     save_start_policy,
 )
 from turnrl.trainer.config import Config
+from turnrl.trainer.credit import gigpo_turn_advantages, group_advantages, token_advantages
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
-from turnrl.types import Trajectory
+from turnrl.types import Sample, Trajectory
 
 Row = dict[str, Any]
 
@@ -272,17 +271,18 @@ def _train_step(
     )  # fmt: skip
     groups = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
     t1 = time.perf_counter()
-    advantages = group_advantages(
-        groups, shuffle_seed=_shuffle_seed(config, step), estimator=config.algorithm.advantage
-    )
-    samples, sample_adv = [], []
+    advantages = _advantages(config, step, groups)
+    samples: list[Sample] = []
+    sample_adv: list[float | list[float]] = []
     for group, group_adv in zip(groups, advantages, strict=True):
         keep = {id(t) for t in trainable(group)}
         for traj, adv in zip(group, group_adv, strict=True):
             if id(traj) in keep:
-                for sample in traj.samples():
-                    samples.append(sample)
-                    sample_adv.append(adv)
+                samples.extend(traj.samples())
+                if isinstance(adv, float):
+                    sample_adv.extend([adv] * len(traj.samples()))
+                else:
+                    sample_adv.extend(token_advantages(traj, adv))
     row: Row = {"step": step + 1, **rollout_metrics(groups)}
     row["rollout/dropped_errors"] = float(sum(t.error is not None for g in groups for t in g))
     if samples:
@@ -308,50 +308,20 @@ def _train_step(
     return row
 
 
+def _advantages(
+    config: Config, step: int, groups: Sequence[Sequence[Trajectory]]
+) -> list[list[float]] | list[list[list[float]]]:
+    """One advantage per trajectory, or (GiGPO) one per turn of each trajectory."""
+    algo = config.algorithm
+    shuffle = _shuffle_seed(config, step)
+    if algo.advantage == "gigpo":
+        return gigpo_turn_advantages(
+            groups, gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, shuffle_seed=shuffle
+        )
+    return group_advantages(groups, shuffle_seed=shuffle, estimator=algo.advantage)
+
+
 def _shuffle_seed(config: Config, step: int) -> int | None:
     if config.algorithm.control == "shuffled_rewards":
         return derive_seed(config.seed, step, "shuffle")
     return None
-
-
-ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-}
-"""Group advantage estimators by ``algorithm.advantage`` name, ``[1, G] -> [1, G]``."""
-
-
-def group_advantages(
-    groups: Sequence[Sequence[Trajectory]],
-    *,
-    shuffle_seed: int | None = None,
-    estimator: str = "grpo",
-) -> list[list[float]]:
-    """Advantages per group (``estimator`` of ``ADVANTAGES``), over the members without an
-    infrastructure error.
-
-    Errored members get advantage 0 (they are excluded from training anyway). With
-    ``shuffle_seed`` the rewards are first permuted across the whole batch: the negative
-    control in which rewards carry no information about the samples they are paired with.
-    """
-    rewards = [[t.reward for t in g] for g in groups]
-    if shuffle_seed is not None:
-        flat = [x for g in rewards for x in g]
-        random.Random(shuffle_seed).shuffle(flat)
-        it = iter(flat)
-        rewards = [[next(it) for _ in g] for g in rewards]
-    out: list[list[float]] = []
-    for group, group_rewards in zip(groups, rewards, strict=True):
-        valid = [i for i, t in enumerate(group) if t.error is None]
-        adv = [0.0] * len(group)
-        if valid:
-            rewards_row = torch.tensor([[group_rewards[i] for i in valid]])
-            if estimator == "rloo" and len(valid) < 2:
-                values = torch.zeros_like(rewards_row[0])  # no other member to compare with
-            else:
-                values = ADVANTAGES[estimator](rewards_row)[0]
-            for i, a in zip(valid, values.tolist(), strict=True):
-                adv[i] = float(a)
-        out.append(adv)
-    return out

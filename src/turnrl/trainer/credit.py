@@ -1,0 +1,158 @@
+"""Credit assignment for the loop: from episode rewards to the advantage of every token.
+
+Two shapes of estimator:
+
+- *group* estimators (GRPO, Dr. GRPO, RLOO) give each trajectory one advantage, compared
+  within the G trajectories of its task (``group_advantages``);
+- GiGPO gives each *turn* its own advantage: the episode-level GRPO term plus a step-level
+  term computed among the turns of the task's trajectories that acted on an identical
+  context (``gigpo_turn_advantages``). Identical contexts are found exactly, by the token
+  ids the policy saw before the turn.
+
+``token_advantages`` spreads per-turn values over a trajectory's samples, token-aligned
+with ``Trajectory.samples``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+from turnrl.algorithms import (
+    dr_grpo_advantages,
+    gigpo_advantages,
+    grpo_advantages,
+    rloo_advantages,
+)
+from turnrl.types import Trajectory
+
+ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+"""Group advantage estimators by ``algorithm.advantage`` name, ``[1, G] -> [1, G]``."""
+
+
+def batch_rewards(
+    groups: Sequence[Sequence[Trajectory]], shuffle_seed: int | None = None
+) -> list[list[float]]:
+    """Each trajectory's reward, group by group. With ``shuffle_seed`` the rewards are
+    permuted across the whole batch: the negative control in which rewards carry no
+    information about the samples they are paired with."""
+    rewards = [[t.reward for t in g] for g in groups]
+    if shuffle_seed is not None:
+        flat = [x for g in rewards for x in g]
+        random.Random(shuffle_seed).shuffle(flat)
+        it = iter(flat)
+        rewards = [[next(it) for _ in g] for g in rewards]
+    return rewards
+
+
+def group_advantages(
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    shuffle_seed: int | None = None,
+    estimator: str = "grpo",
+) -> list[list[float]]:
+    """Advantages per group (``estimator`` of ``ADVANTAGES``), over the members without an
+    infrastructure error.
+
+    Errored members get advantage 0 (they are excluded from training anyway).
+    """
+    rewards = batch_rewards(groups, shuffle_seed)
+    out: list[list[float]] = []
+    for group, group_rewards in zip(groups, rewards, strict=True):
+        valid = [i for i, t in enumerate(group) if t.error is None]
+        adv = [0.0] * len(group)
+        if valid:
+            rewards_row = torch.tensor([[group_rewards[i] for i in valid]])
+            if estimator == "rloo" and len(valid) < 2:
+                values = torch.zeros_like(rewards_row[0])  # no other member to compare with
+            else:
+                values = ADVANTAGES[estimator](rewards_row)[0]
+            for i, a in zip(valid, values.tolist(), strict=True):
+                adv[i] = float(a)
+        out.append(adv)
+    return out
+
+
+def turn_contexts(trajectory: Trajectory) -> list[tuple[int, ...]]:
+    """The exact token context the policy saw before each of its turns."""
+    contexts: list[tuple[int, ...]] = []
+    seen: list[int] = []
+    for turn in trajectory.turns:
+        if turn.new_sample:
+            seen = []  # a template break re-renders the whole context
+        seen.extend(turn.prompt_ids)
+        contexts.append(tuple(seen))
+        seen.extend(turn.completion_ids)
+    return contexts
+
+
+def gigpo_turn_advantages(
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    gamma: float = 0.95,
+    omega: float = 1.0,
+    shuffle_seed: int | None = None,
+) -> list[list[list[float]]]:
+    """GiGPO advantage of every turn of every trajectory, ``[group][member][turn]``.
+
+    All groups must have the same size G (the rollout's group size). The reward is given at
+    the last turn; errored trajectories take no part (their turns get 0). Anchor states are
+    exact: two turns of one task share an anchor when the token contexts before them are
+    equal (e.g. the same question and the same tool output).
+    """
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"GiGPO needs groups of one size, got sizes {sorted(sizes)}")
+    (group_size,) = sizes
+    rewards = batch_rewards(groups, shuffle_seed)
+    flat = [t for g in groups for t in g]
+    flat_rewards = [r for g in rewards for r in g]
+    steps = max((len(t.turns) for t in flat), default=0)
+    if steps == 0:
+        return [[[] for _ in g] for g in groups]
+    step_rewards = torch.zeros(len(flat), steps, dtype=torch.float64)
+    step_mask = torch.zeros(len(flat), steps, dtype=torch.bool)
+    anchors = torch.zeros(len(flat), steps, dtype=torch.long)
+    ids: dict[tuple[int, ...], int] = {}
+    for row, (traj, reward) in enumerate(zip(flat, flat_rewards, strict=True)):
+        if traj.error is not None or not traj.turns:
+            continue
+        n = len(traj.turns)
+        step_mask[row, :n] = True
+        step_rewards[row, n - 1] = reward
+        for s, context in enumerate(turn_contexts(traj)):
+            anchors[row, s] = ids.setdefault(context, len(ids))
+    values = gigpo_advantages(
+        step_rewards, anchors, step_mask, group_size=group_size, gamma=gamma, omega=omega
+    )
+    out: list[list[list[float]]] = []
+    for g, group in enumerate(groups):
+        rows = range(g * group_size, (g + 1) * group_size)
+        out.append([values[r, : len(t.turns)].tolist() for r, t in zip(rows, group, strict=True)])
+    return out
+
+
+def token_advantages(trajectory: Trajectory, turn_values: Sequence[float]) -> list[list[float]]:
+    """Per-turn values spread over the tokens of ``trajectory.samples()``: each turn's
+    prompt and completion tokens take that turn's value (only completion tokens are trained
+    on; the prompt's values are never read)."""
+    if len(turn_values) != len(trajectory.turns):
+        raise ValueError(
+            f"{len(turn_values)} turn values for a trajectory of {len(trajectory.turns)} turns"
+        )
+    out: list[list[float]] = []
+    current: list[float] = []
+    for turn, value in zip(trajectory.turns, turn_values, strict=True):
+        if turn.new_sample and current:
+            out.append(current)
+            current = []
+        current.extend([float(value)] * (len(turn.prompt_ids) + len(turn.completion_ids)))
+    if current:
+        out.append(current)
+    return out
