@@ -217,3 +217,109 @@ def test_the_sampler_computes_a_shared_prompt_prefix_once_with_the_same_result(
     for a, b in zip(shared, plain, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4},
+        {"policy_loss": "gspo", "loss_reduction": "seq_mean_token_mean"},
+        {"dual_clip": 3.0},
+        {"off_policy": "token_tis"},
+        {"off_policy": "sequence_tis"},
+        {"off_policy": "sequence_mask"},
+        {"entropy_coef": 0.01},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_every_loss_option_accumulates_exactly_over_micro_batches(
+    model: Any, tokenizer: Any, options: dict[str, Any]
+) -> None:
+    batch = skewed(rollout_batch(model, tokenizer, tasks=2, group=3))
+    whole = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=64, **options)
+    pieces = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=1, **options)
+    assert any(g.abs().sum() > 0 for g in whole.values())
+    for name in whole:
+        assert torch.allclose(whole[name], pieces[name], atol=1e-6), name
+
+
+def skewed(batch: Batch, shift: float = 0.0) -> Batch:
+    """The batch as if a sampler had given row i's tokens log-probs lower by i * shift."""
+    rows = torch.arange(batch.num_sequences, dtype=torch.float32)[:, None]
+    old = torch.where(batch.loss_mask, batch.old_logprobs - rows * shift, 0.0)
+    return Batch(batch.input_ids, batch.attention_mask, batch.loss_mask, old, batch.advantages)
+
+
+def test_off_policy_corrections_act_only_on_a_sampler_mismatch(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    plain = grads_after_step(copy.deepcopy(model), batch)
+    for mode in ("token_tis", "sequence_tis", "sequence_mask"):
+        same = grads_after_step(copy.deepcopy(model), batch, off_policy=mode)
+        for name in plain:  # no mismatch: weights 1, nothing masked
+            assert torch.allclose(plain[name], same[name], atol=1e-6), (mode, name)
+    # A sampler that under-weighted the later rows' tokens: rho = pi_learner / pi_sampler > 1.
+    far = skewed(batch, shift=0.5)
+    learner = Learner(
+        copy.deepcopy(model), AlgorithmConfig(off_policy="token_tis"), temperature=1.0
+    )
+    metrics = learner.step(far)
+    assert metrics["off_policy/tis_truncated_fraction"] > 0.0
+    assert metrics["train/logprob_mismatch"] > 0.1
+    unclipped = {"max_grad_norm": 1e9}  # compare raw gradients, not clipped ones
+    masked = grads_after_step(
+        copy.deepcopy(model), far, off_policy="sequence_mask", tis_cap=2.0, **unclipped
+    )
+    # Row 0 (no shift) survives the mask; rows with prod rho > 2 contribute nothing.
+    keep_first = Batch(
+        far.input_ids[:1], far.attention_mask[:1], far.loss_mask[:1], far.old_logprobs[:1],
+        far.advantages[:1],
+    )  # fmt: skip
+    alone = grads_after_step(copy.deepcopy(model), keep_first, **unclipped)
+    tokens_all, tokens_first = float(far.loss_mask.sum()), float(far.loss_mask[0].sum())
+    for name in alone:  # token_mean divides by the whole batch's tokens
+        assert torch.allclose(masked[name], alone[name] * tokens_first / tokens_all, atol=1e-6)
+
+
+def test_the_entropy_bonus_raises_entropy(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    zero = Batch(
+        batch.input_ids, batch.attention_mask, batch.loss_mask, batch.old_logprobs,
+        torch.zeros_like(batch.advantages),
+    )  # fmt: skip
+    learner = Learner(
+        copy.deepcopy(model), AlgorithmConfig(entropy_coef=1.0, lr=1e-2), temperature=1.0
+    )
+    before = learner.step(zero)["loss/entropy"]
+    after = learner.step(zero)["loss/entropy"]
+    assert after > before
+
+
+def test_gspo_takes_one_advantage_per_sequence_from_per_token_values(
+    model: Any, tokenizer: Any
+) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    options = {"policy_loss": "gspo", "loss_reduction": "seq_mean_token_mean"}
+    per_sequence = grads_after_step(copy.deepcopy(model), batch, **options)
+    flat = Batch(
+        batch.input_ids, batch.attention_mask, batch.loss_mask, batch.old_logprobs,
+        batch.advantages[:, 0],
+    )  # fmt: skip  # the [B] form of the same constant-per-row advantages
+    same = grads_after_step(copy.deepcopy(model), flat, **options)
+    for name in per_sequence:
+        assert torch.allclose(per_sequence[name], same[name], atol=1e-7), name
+
+
+def test_loss_options_are_validated() -> None:
+    from turnrl.errors import ConfigError
+    from turnrl.trainer.config import load_config
+
+    for bad, match in [
+        ("algorithm.dual_clip=0.5", "dual_clip"),
+        ("algorithm.tis_cap=0", "tis_cap"),
+        ("algorithm.entropy_coef=-1", "entropy_coef"),
+        ("algorithm.off_policy=magic", "off_policy"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config("quickstart", [bad])
+    with pytest.raises(ConfigError, match="dual_clip"):
+        load_config("quickstart", ["algorithm.policy_loss=gspo", "algorithm.dual_clip=3"])

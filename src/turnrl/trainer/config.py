@@ -98,6 +98,19 @@ class AlgorithmConfig:
     """How per-token losses become one number; normalisers are those of the whole batch, so
     micro-batching does not change the update. ``seq_mean_token_sum_norm`` divides by
     ``rollout.max_episode_tokens`` (Dr. GRPO's constant)."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """PPO's clipped surrogate per token, or GSPO's on one length-normalised ratio per
+    sequence (use GSPO's small clip ranges, e.g. eps_low 3e-4, eps_high 4e-4)."""
+    dual_clip: float = 0.0
+    """PPO dual clip c (> 1) bounding the loss of negative-advantage tokens; 0 disables."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: this times the (reduced) policy entropy is subtracted from the loss."""
+    off_policy: Literal["none", "token_tis", "sequence_tis", "sequence_mask"] = "none"
+    """Correction for the sampler/learner mismatch pi_learner / pi_sampler: truncated
+    importance weights per token or per sequence (capped at ``tis_cap``), or dropping
+    sequences whose ratio exceeds ``tis_cap``."""
+    tis_cap: float = 2.0
+    """Cap C of the truncated importance weights / the sequence mask's threshold."""
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
     """Estimator of KL(policy || reference) per token, added to the loss as ``kl_coef`` x it."""
 
@@ -251,6 +264,16 @@ class Config:
             (self.algorithm.epochs >= 1, "algorithm.epochs must be >= 1"),
             (0.0 <= self.algorithm.gigpo_gamma <= 1.0, "algorithm.gigpo_gamma must be in [0, 1]"),
             (self.algorithm.gigpo_omega >= 0.0, "algorithm.gigpo_omega must be >= 0"),
+            (
+                self.algorithm.dual_clip == 0.0 or self.algorithm.dual_clip > 1.0,
+                "algorithm.dual_clip must be 0 (off) or > 1",
+            ),
+            (self.algorithm.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
+            (self.algorithm.tis_cap > 0.0, "algorithm.tis_cap must be > 0"),
+            (
+                not (self.algorithm.policy_loss == "gspo" and self.algorithm.dual_clip),
+                "algorithm.dual_clip applies to the ppo policy loss only",
+            ),
             (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
             (self.eval.every >= 1, "eval.every must be >= 1"),
             (self.save_every >= 1, "save_every must be >= 1"),

@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from turnrl.algorithms import (
+    discounted_step_returns,
     dr_grpo_advantages,
-    gigpo_advantages,
     grpo_advantages,
     rloo_advantages,
+    step_group_advantages,
 )
 from turnrl.types import Trajectory
 
@@ -99,7 +100,9 @@ def gigpo_turn_advantages(
     omega: float = 1.0,
     shuffle_seed: int | None = None,
 ) -> list[list[list[float]]]:
-    """GiGPO advantage of every turn of every trajectory, ``[group][member][turn]``.
+    """GiGPO advantage of every turn of every trajectory, ``[group][member][turn]``:
+    A_episode + omega * A_step (ALGORITHMS.md "GiGPO"; the algorithms' ``gigpo_advantages``
+    on the same layout, except that errored members are left out of both levels).
 
     All groups must have the same size G (the rollout's group size). The reward is given at
     the last turn; errored trajectories take no part (their turns get 0). Anchor states are
@@ -110,15 +113,16 @@ def gigpo_turn_advantages(
     if len(sizes) != 1:
         raise ValueError(f"GiGPO needs groups of one size, got sizes {sorted(sizes)}")
     (group_size,) = sizes
+    # Episode level: GRPO over each group's valid members (the errored ones get 0), on the
+    # same (possibly shuffled) rewards as the step level.
+    episode = group_advantages(groups, shuffle_seed=shuffle_seed, estimator="grpo")
     rewards = batch_rewards(groups, shuffle_seed)
     flat = [t for g in groups for t in g]
     flat_rewards = [r for g in rewards for r in g]
     steps = max((len(t.turns) for t in flat), default=0)
-    if steps == 0:
-        return [[[] for _ in g] for g in groups]
-    step_rewards = torch.zeros(len(flat), steps, dtype=torch.float64)
-    step_mask = torch.zeros(len(flat), steps, dtype=torch.bool)
-    anchors = torch.zeros(len(flat), steps, dtype=torch.long)
+    step_rewards = torch.zeros(len(flat), max(steps, 1), dtype=torch.float64)
+    step_mask = torch.zeros_like(step_rewards, dtype=torch.bool)
+    anchors = torch.zeros_like(step_rewards, dtype=torch.long)
     ids: dict[tuple[int, ...], int] = {}
     for row, (traj, reward) in enumerate(zip(flat, flat_rewards, strict=True)):
         if traj.error is not None or not traj.turns:
@@ -128,13 +132,21 @@ def gigpo_turn_advantages(
         step_rewards[row, n - 1] = reward
         for s, context in enumerate(turn_contexts(traj)):
             anchors[row, s] = ids.setdefault(context, len(ids))
-    values = gigpo_advantages(
-        step_rewards, anchors, step_mask, group_size=group_size, gamma=gamma, omega=omega
-    )
+    returns = discounted_step_returns(step_rewards, step_mask, gamma=gamma)
+    step = step_group_advantages(returns, anchors, step_mask, group_size=group_size)
     out: list[list[list[float]]] = []
     for g, group in enumerate(groups):
-        rows = range(g * group_size, (g + 1) * group_size)
-        out.append([values[r, : len(t.turns)].tolist() for r, t in zip(rows, group, strict=True)])
+        members: list[list[float]] = []
+        for i, traj in enumerate(group):
+            row = g * group_size + i
+            valid = traj.error is None
+            members.append(
+                [
+                    episode[g][i] + omega * float(step[row, s]) if valid else 0.0
+                    for s in range(len(traj.turns))
+                ]
+            )
+        out.append(members)
     return out
 
 

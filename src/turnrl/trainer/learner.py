@@ -16,12 +16,17 @@ import torch
 
 from turnrl.algorithms import (
     KL_ESTIMATORS,
+    PolicyLossOutput,
     clipped_policy_loss,
+    gspo_policy_loss,
     masked_mean,
     seq_mean_token_mean,
     seq_mean_token_sum,
     seq_mean_token_sum_norm,
+    sequence_ratio_mask,
+    sequence_tis_weights,
     token_mean,
+    token_tis_weights,
 )
 from turnrl.errors import ConfigError
 from turnrl.rollout.batch import Batch, pack
@@ -75,13 +80,15 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
     temperature: float,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(x_t | x_<t) and the entropy of pi(. | x_<t), both [B, T], where ``loss_mask``.
 
     Only the positions that are trained on go through the output layer: in agent rollouts
     most tokens are prompt and tool output, so this skips most of the vocabulary-sized
     work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
-    Elsewhere both outputs are 0.
+    Elsewhere both outputs are 0. The entropy carries a gradient only with
+    ``entropy_grad`` (an entropy bonus needs it; logging does not).
     """
     hidden = hidden_states(model, input_ids, attention_mask)  # [B, T, H]
     target = loss_mask.clone()
@@ -92,9 +99,9 @@ def token_logprobs(
     picked = logp_all.gather(-1, input_ids[b, t][:, None]).squeeze(-1)
     logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
     logprobs = logprobs.index_put((b, t), picked)
-    with torch.no_grad():
-        entropy = torch.zeros_like(logprobs)
-        entropy[b, t] = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        per_position = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = torch.zeros_like(logprobs).index_put((b, t), per_position)
     return logprobs, entropy
 
 
@@ -158,14 +165,18 @@ class Learner:
         self.model.train()
         num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
         num_sequences = sum(mb.num_sequences for mb in micro)
-        # Pass 0 is on-policy: its ratio is 1 and its log-prob gap is the sampler/learner
-        # mismatch. Further passes (``epochs`` > 1) reuse the batch; the clip bounds them.
+        # Pass 0 is on-policy: its ratio is exactly 1 (the clip is anchored at the learner's
+        # own first-pass log-probs) and its log-prob gap to the sampler is the mismatch.
+        # Further passes (``epochs`` > 1) reuse the batch; the clip bounds them.
         num_seqs = torch.stack([mb.loss_mask.any(-1).sum() for mb in micro]).sum().clamp(min=1)
         norms = (num_tokens, num_seqs.float())
-        passes = [self._pass(micro, norms) for _ in range(cfg.epochs)]
+        proximal: list[torch.Tensor] = []
+        passes = [self._pass(micro, norms, proximal) for _ in range(cfg.epochs)]
         totals, grad_norm = passes[0]
         clipped = sum(t["clipped"] for t, _ in passes) / len(passes)
+        off_policy = {k: v for k, v in totals.items() if k.startswith("off_policy/")}
         return {
+            **off_policy,
             "loss/policy": totals["loss"],
             "loss/entropy": totals["entropy"],
             "loss/kl": totals["kl"],
@@ -192,28 +203,76 @@ class Learner:
             case "seq_mean_token_sum_norm":
                 return seq_mean_token_sum_norm(per_token, mask, float(self.max_length))
 
+    def _policy_loss(
+        self, logprobs: torch.Tensor, proximal: torch.Tensor, mb: Batch
+    ) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+        """The configured policy loss per token, the loss mask it applies to, and the
+        off-policy correction's metrics.
+
+        The trust region is taken around ``proximal`` (the learner's own log-probs at the
+        first pass over this batch); ``mb.old_logprobs`` are the sampler's, used only by
+        the off-policy correction (``off_policy``), which reweights or masks by
+        pi_proximal / pi_sampler.
+        """
+        cfg = self.config
+        mask = mb.loss_mask
+        adv = mb.advantages if mb.advantages.ndim == 2 else mb.advantages[:, None]
+        if cfg.policy_loss == "gspo":
+            seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mask)
+            out = gspo_policy_loss(
+                logprobs, proximal, seq_adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+            )
+        else:
+            out = clipped_policy_loss(
+                logprobs, proximal, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                dual_clip=cfg.dual_clip or None,
+            )  # fmt: skip
+        metrics: dict[str, torch.Tensor] = {}
+        match cfg.off_policy:
+            case "token_tis":
+                w = token_tis_weights(proximal, mb.old_logprobs, mask, cap=cfg.tis_cap)
+                out = _reweighted(out, w.weights, mask)
+                metrics = w.metrics
+            case "sequence_tis":
+                w = sequence_tis_weights(proximal, mb.old_logprobs, mask, cap=cfg.tis_cap)
+                out = _reweighted(out, w.weights, mask)
+                metrics = w.metrics
+            case "sequence_mask":
+                keep = sequence_ratio_mask(proximal, mb.old_logprobs, mask, max_ratio=cfg.tis_cap)
+                mask = mask & keep.keep[:, None]
+                metrics = keep.metrics
+            case "none":
+                pass
+        return out, mask, metrics
+
     def _pass(
-        self, micro: Sequence[Batch], norms: tuple[torch.Tensor, torch.Tensor]
+        self,
+        micro: Sequence[Batch],
+        norms: tuple[torch.Tensor, torch.Tensor],
+        proximal: list[torch.Tensor],
     ) -> tuple[dict[str, float], float]:
-        """One optimizer step over all micro-batches; returns its totals and grad norm."""
+        """One optimizer step over all micro-batches; returns its totals and grad norm.
+
+        ``proximal`` is empty on the first pass and is filled with each micro-batch's
+        detached log-probs, the anchor of the clip for this and later passes.
+        """
         cfg = self.config
         num_tokens = norms[0]
+        first = not proximal
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(("loss", "kl", "entropy", "clipped", "abs_gap", "max_gap"), 0.0)
-        for mb in micro:
+        for i, mb in enumerate(micro):
             logprobs, entropy = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature
-            )
-            out = clipped_policy_loss(
-                logprobs,
-                mb.old_logprobs,
-                mb.advantages if mb.advantages.ndim == 2 else mb.advantages[:, None],
-                mb.loss_mask,
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-            )
-            loss = self._reduce(out.per_token_loss, mb.loss_mask, norms)
+                self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
+                entropy_grad=cfg.entropy_coef > 0,
+            )  # fmt: skip
+            if first:
+                proximal.append(logprobs.detach())
+            out, mask, off_policy = self._policy_loss(logprobs, proximal[i], mb)
+            loss = self._reduce(out.per_token_loss, mask, norms)
             totals["loss"] += float(loss.detach())
+            if cfg.entropy_coef > 0:
+                loss = loss - cfg.entropy_coef * self._reduce(entropy, mb.loss_mask, norms)
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref, _ = token_logprobs(
@@ -229,10 +288,27 @@ class Learner:
             with torch.no_grad():
                 gap = torch.where(mb.loss_mask, (logprobs - mb.old_logprobs).abs(), 0.0)
                 share = mb.loss_mask.sum() / num_tokens
-                totals["entropy"] += float(masked_mean(entropy, mb.loss_mask) * share)
+                totals["entropy"] += float(masked_mean(entropy.detach(), mb.loss_mask) * share)
                 totals["clipped"] += float(masked_mean(out.clipped.float(), mb.loss_mask) * share)
                 totals["abs_gap"] += float(gap.sum() / num_tokens)
                 totals["max_gap"] = max(totals["max_gap"], float(gap.max()))
+                for name, value in off_policy.items():
+                    key = f"off_policy/{name}"
+                    totals[key] = totals.get(key, 0.0) + float(value) * float(share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         return totals, float(grad_norm)
+
+
+def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One advantage per row, ``[B, T] -> [B, 1]``: the mean over its sampled tokens (the
+    row's value when it is the same on every token)."""
+    return masked_mean(advantages, mask, dim=1)[:, None]
+
+
+def _reweighted(
+    out: PolicyLossOutput, weights: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """The per-token loss times detached importance weights (``[B, T]`` or ``[B, 1]``)."""
+    loss = torch.where(mask, out.per_token_loss * weights.detach(), 0.0)
+    return PolicyLossOutput(per_token_loss=loss, clipped=out.clipped, ratio=out.ratio)

@@ -310,7 +310,7 @@ def _train_step(
 
 def _advantages(
     config: Config, step: int, groups: Sequence[Sequence[Trajectory]]
-) -> list[list[float]] | list[list[list[float]]]:
+) -> Sequence[Sequence[float | list[float]]]:
     """One advantage per trajectory, or (GiGPO) one per turn of each trajectory."""
     algo = config.algorithm
     shuffle = _shuffle_seed(config, step)

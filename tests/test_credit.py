@@ -1,0 +1,96 @@
+"""Credit assignment in the loop (trainer/credit.py): GiGPO turn advantages from real
+trajectory structure, exact anchor contexts, token alignment with Trajectory.samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnrl.algorithms import gigpo_advantages
+from turnrl.rollout.batch import pack
+from turnrl.trainer.credit import (
+    gigpo_turn_advantages,
+    token_advantages,
+    turn_contexts,
+)
+from turnrl.types import Trajectory, Turn
+
+
+def turn(prompt: tuple[int, ...], completion: tuple[int, ...], new_sample: bool = False) -> Turn:
+    return Turn(prompt, completion, tuple(-0.5 for _ in completion), "stop", new_sample=new_sample)
+
+
+def lookup_episode(index: int, key: int, value: int, answer: int) -> Trajectory:
+    """Question (1, 2), a call for ``key``, the tool's ``value``, then ``answer``."""
+    return Trajectory(
+        task_id="t",
+        sample_index=index,
+        turns=[turn((1, 2), (10, key)), turn((20, value), (answer, 99))],
+        reward=float(answer == 7),
+    )
+
+
+def test_turn_contexts_are_the_exact_tokens_seen_before_each_turn() -> None:
+    traj = lookup_episode(0, key=3, value=7, answer=7)
+    assert turn_contexts(traj) == [(1, 2), (1, 2, 10, 3, 20, 7)]
+    broken = Trajectory("t", 0, turns=[turn((1,), (2,)), turn((5, 6), (7,), new_sample=True)])
+    assert turn_contexts(broken) == [(1,), (5, 6)]
+
+
+def test_gigpo_gives_answer_turns_credit_among_equal_observations_only() -> None:
+    # Members 0-2 called key 3 and saw value 7; member 3 called key 4 and saw value 8.
+    group = [
+        lookup_episode(0, key=3, value=7, answer=7),  # copied: reward 1
+        lookup_episode(1, key=3, value=7, answer=5),
+        lookup_episode(2, key=3, value=7, answer=6),
+        lookup_episode(3, key=4, value=8, answer=8),  # copied the wrong key's value
+    ]
+    (adv,) = gigpo_turn_advantages([group], gamma=1.0, omega=1.0)
+    # Reference: the pure function on the same [B, S] layout, anchors by hand.
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    anchors = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 2]])
+    expected = gigpo_advantages(
+        rewards, anchors, torch.ones(4, 2, dtype=torch.bool), group_size=4, gamma=1.0
+    )
+    assert torch.tensor(adv, dtype=torch.float64) == pytest.approx(
+        expected, abs=1e-6
+    )  # episode term in float32
+    # The lone member 3 has no step-level partner at its answer: only its episode term.
+    assert adv[3][1] == pytest.approx(adv[3][0] - expected[3, 0].item() + expected[3, 1].item())
+
+
+def test_gigpo_skips_errored_members_and_shuffles_like_the_group_estimators() -> None:
+    group = [lookup_episode(i, key=3, value=7, answer=7 if i == 0 else 5) for i in range(3)]
+    group.append(Trajectory("t", 3, turns=[turn((1, 2), (10,))], error="backend died"))
+    (adv,) = gigpo_turn_advantages([group])
+    assert adv[3] == [0.0]
+    assert sum(a[0] for a in adv[:3]) == pytest.approx(0.0, abs=1e-6)
+    groups = [group, [lookup_episode(i, 3, 7, 5) for i in range(4)]]
+    shuffled = gigpo_turn_advantages(groups, shuffle_seed=1)
+    assert len(shuffled) == 2 and all(len(a) == 4 for a in shuffled)
+
+
+def test_gigpo_needs_equal_group_sizes() -> None:
+    a = [lookup_episode(i, 3, 7, 7) for i in range(2)]
+    b = [lookup_episode(i, 3, 7, 7) for i in range(3)]
+    with pytest.raises(ValueError, match="groups of one size"):
+        gigpo_turn_advantages([a, b])
+
+
+def test_token_advantages_line_up_with_samples_and_pack() -> None:
+    traj = Trajectory(
+        "t", 0,
+        turns=[turn((1, 2), (3,)), turn((4,), (5, 6)), turn((7, 8), (9,), new_sample=True)],
+    )  # fmt: skip
+    per_token = token_advantages(traj, [0.5, -1.0, 2.0])
+    samples = traj.samples()
+    assert [len(a) for a in per_token] == [len(s.input_ids) for s in samples] == [6, 3]
+    assert per_token[0] == [0.5, 0.5, 0.5, -1.0, -1.0, -1.0]
+    batch = pack(samples, per_token, pad_id=0)
+    assert batch.advantages.shape == batch.input_ids.shape
+    trained = batch.advantages[batch.loss_mask].tolist()
+    assert trained == [0.5, -1.0, -1.0, 2.0]  # each sampled token carries its own turn's value
+    with pytest.raises(ValueError, match="turn values"):
+        token_advantages(traj, [1.0])
+    with pytest.raises(ValueError, match="per-token advantages"):
+        pack(samples, [[1.0], per_token[1]], pad_id=0)
