@@ -8,6 +8,7 @@ batch, and the lookup tool removed. Chance is 1 / num_values.
 
     python benchmarks/learning_proof.py                 # 3 seeds + 2 controls
     python benchmarks/learning_proof.py --seeds 0 --no-controls --minutes 5
+    python benchmarks/learning_proof.py --jobs 2        # two runs side by side, 1 thread each
 
 Writes benchmarks/results/learning_proof.json and .md (a table and the curves).
 """
@@ -15,7 +16,9 @@ Writes benchmarks/results/learning_proof.json and .md (a table and the curves).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import platform
 import shutil
 import time
@@ -31,8 +34,12 @@ from turnrl.trainer.loop import train
 ROOT = Path(__file__).resolve().parent
 
 
-def run_one(label: str, overrides: list[str], minutes: float, runs: Path) -> dict[str, Any]:
-    config = load_config("learning_proof", [*overrides, f"max_minutes={minutes}"])
+def run_one(
+    label: str, overrides: list[str], minutes: float, runs: Path, threads: int = 0
+) -> dict[str, Any]:
+    config = load_config(
+        "learning_proof", [*overrides, f"max_minutes={minutes}", f"threads={threads}"]
+    )
     run_dir = runs / label
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
@@ -56,6 +63,7 @@ def run_one(label: str, overrides: list[str], minutes: float, runs: Path) -> dic
         "step_reaching_90": reached[0] if reached else None,
         "minutes_to_90": round(reached[1] / 60, 2) if reached else None,
         "wall_minutes": round(wall / 60, 2),
+        "threads": threads or torch.get_num_threads(),
         "curve": curve,
         "run_dir": str(run_dir),
     }
@@ -81,20 +89,29 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=15.0, help="budget per run")
     parser.add_argument("--no-controls", action="store_true")
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="runs side by side, each with cpu_count / jobs torch threads",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "learning_proof")
     args = parser.parse_args()
     runs = ROOT / "runs"
-    results = []
-    for seed in args.seeds:
-        results.append(run_one(f"seed{seed}", [f"seed={seed}"], args.minutes, runs))
-        print(table(results[-1:]), flush=True)
+    plan = [(f"seed{seed}", [f"seed={seed}"]) for seed in args.seeds]
     if not args.no_controls:
-        controls = {
-            "control-shuffled-rewards": ["seed=0", "algorithm.control=shuffled_rewards"],
-            "control-no-tools": ["seed=0", "env.tools_enabled=false"],
-        }
-        for label, overrides in controls.items():
-            results.append(run_one(label, overrides, args.minutes, runs))
+        plan += [
+            ("control-shuffled-rewards", ["seed=0", "algorithm.control=shuffled_rewards"]),
+            ("control-no-tools", ["seed=0", "env.tools_enabled=false"]),
+        ]
+    threads = max(1, (multiprocessing.cpu_count() // args.jobs)) if args.jobs > 1 else 0
+    results: list[dict[str, Any]] = []
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        futures = [
+            pool.submit(run_one, label, overrides, args.minutes, runs, threads)
+            for label, overrides in plan
+        ]
+        for future in futures:
+            results.append(future.result())
             print(table(results[-1:]), flush=True)
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -102,10 +119,16 @@ def main() -> None:
         f"{platform.processor() or 'cpu'}",
         "torch": torch.__version__,
         "budget_minutes": args.minutes,
+        "jobs": args.jobs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "runs": results}, indent=2))
-    md = [f"# Learning proof ({meta['date']}, {meta['machine']})", "", table(results), ""]
+    md = [
+        f"# Learning proof ({meta['date']}, {meta['machine']}, {args.jobs} run(s) at a time)",
+        "",
+        table(results),
+        "",
+    ]
     for r in results:
         points = ", ".join(f"{s}:{v:.2f}" for s, _, v in r["curve"])
         md.append(f"- {r['label']} (step:held-out success): {points}")
