@@ -97,3 +97,26 @@ def test_token_advantages_line_up_with_samples_and_pack() -> None:
         token_advantages(traj, [1.0])
     with pytest.raises(ValueError, match="per-token advantages"):
         pack(samples, [[1.0], per_token[1]], pad_id=0)
+
+
+def episode(index: int, reward: float, tokens: int) -> Trajectory:
+    return Trajectory("t", index, turns=[turn((1,), tuple(range(tokens)))], reward=reward)
+
+
+def test_reinforce_pp_whitens_rewards_over_every_sampled_token() -> None:
+    from turnrl.trainer.credit import reinforce_pp_trajectory_advantages
+
+    groups = [[episode(0, 1.0, 3), episode(1, 0.0, 1)], [episode(0, 0.0, 2), episode(1, 0.0, 2)]]
+    (a, b) = reinforce_pp_trajectory_advantages(groups)
+    tokens = torch.tensor([1.0] * 3 + [0.0] * 1 + [0.0] * 4)  # each token carries its R
+    mean, std = tokens.mean(), tokens.std()
+    assert a == pytest.approx([float((1 - mean) / std), float(-mean / std)], abs=1e-6)
+    assert b == pytest.approx([float(-mean / std)] * 2, abs=1e-6)
+    # The baseline variant centres each group first: group 2 is flat, group 1 is not.
+    (c, d) = reinforce_pp_trajectory_advantages(groups, baseline=True)
+    centred = torch.tensor([0.5] * 3 + [-0.5] + [0.0] * 4)
+    cm, cs = centred.mean(), centred.std()
+    assert c == pytest.approx([float((0.5 - cm) / cs), float((-0.5 - cm) / cs)], abs=1e-6)
+    assert d == pytest.approx([float(-cm / cs)] * 2, abs=1e-6)
+    errored = [[episode(0, 1.0, 2), Trajectory("t", 1, error="boom")]]
+    assert reinforce_pp_trajectory_advantages(errored)[0][1] == 0.0

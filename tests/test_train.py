@@ -4,6 +4,7 @@ reproducibility with the same seed, and resume after a stop."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -133,3 +134,22 @@ def test_the_configured_group_estimator_is_used(estimator: str, expected: list[f
 def test_an_unknown_estimator_name_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match=r"algorithm\.advantage"):
         load_config("quickstart", ["algorithm.advantage=ppo2"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["algorithm.advantage=gigpo"],
+        ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.1"],
+        ["algorithm.advantage=reinforce_pp_baseline"],
+        ["algorithm.policy_loss=gspo", "algorithm.loss_reduction=seq_mean_token_mean"],
+        ["algorithm.off_policy=token_tis", "algorithm.dual_clip=3", "algorithm.entropy_coef=0.01"],
+    ],
+    ids=lambda o: ",".join(x.split(".", 1)[1] for x in o),
+)
+def test_every_estimator_and_loss_trains_end_to_end(tmp_path: Path, options: list[str]) -> None:
+    result = train(load_config(None, [*SMALL, "steps=1", *options]), tmp_path, progress=False)
+    (row,) = [r for r in result.rows if "loss/policy" in r]
+    for key in ("loss/policy", "train/grad_norm", "train/logprob_mismatch"):
+        assert math.isfinite(row[key]), key
+    assert row["train/logprob_mismatch"] < 1e-4  # the sampler and the learner agree

@@ -84,10 +84,13 @@ class AlgorithmConfig:
     Each estimator is chosen by name here, once (ALGORITHMS.md defines them all).
     """
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gigpo"] = "grpo"
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gigpo"
+    ] = "grpo"
     """Advantage estimator: GRPO (mean and unbiased std of the group), Dr. GRPO (mean
-    only), RLOO (leave-one-out mean), or GiGPO (GRPO per episode plus a step-level term
-    among turns of one task that saw an identical context; one advantage per turn)."""
+    only), RLOO (leave-one-out mean), REINFORCE++ (returns whitened over the batch's
+    tokens; ``_baseline`` subtracts the group mean first), or GiGPO (GRPO per episode plus
+    a step-level term among turns of one task that saw an identical context)."""
     gigpo_gamma: float = 0.95
     """GiGPO: discount of the step-level returns."""
     gigpo_omega: float = 1.0

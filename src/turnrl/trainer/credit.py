@@ -4,6 +4,8 @@ Two shapes of estimator:
 
 - *group* estimators (GRPO, Dr. GRPO, RLOO) give each trajectory one advantage, compared
   within the G trajectories of its task (``group_advantages``);
+- REINFORCE++ (and its group-baseline variant) whiten the returns over every sampled token
+  of the batch (``reinforce_pp_trajectory_advantages``);
 - GiGPO gives each *turn* its own advantage: the episode-level GRPO term plus a step-level
   term computed among the turns of the task's trajectories that acted on an identical
   context (``gigpo_turn_advantages``). Identical contexts are found exactly, by the token
@@ -24,6 +26,7 @@ from turnrl.algorithms import (
     discounted_step_returns,
     dr_grpo_advantages,
     grpo_advantages,
+    reinforce_pp_advantages,
     rloo_advantages,
     step_group_advantages,
 )
@@ -77,6 +80,40 @@ def group_advantages(
             for i, a in zip(valid, values.tolist(), strict=True):
                 adv[i] = float(a)
         out.append(adv)
+    return out
+
+
+def reinforce_pp_trajectory_advantages(
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    baseline: bool = False,
+    shuffle_seed: int | None = None,
+) -> list[list[float]]:
+    """REINFORCE++ advantage of each trajectory (ALGORITHMS.md), ``[group][member]``.
+
+    With the KL in the loss (not in the reward) and the reward on the last token, every
+    sampled token of a trajectory has the same return R, and the advantage is R whitened
+    over all sampled tokens of the batch (``reinforce_pp_advantages``): a long trajectory
+    weighs more in the batch mean. ``baseline`` first subtracts each group's mean reward
+    (REINFORCE++-baseline). Errored members take no part and get 0.
+    """
+    rewards = batch_rewards(groups, shuffle_seed)
+    rows: list[tuple[int, int, float, int]] = []  # group, member, reward, sampled tokens
+    for g, (group, group_rewards) in enumerate(zip(groups, rewards, strict=True)):
+        valid = [i for i, t in enumerate(group) if t.error is None]
+        mean = sum(group_rewards[i] for i in valid) / len(valid) if valid else 0.0
+        for i in valid:
+            value = group_rewards[i] - mean if baseline else group_rewards[i]
+            rows.append((g, i, value, max(group[i].num_completion_tokens, 1)))
+    out = [[0.0] * len(g) for g in groups]
+    if not rows:
+        return out
+    width = max(n for *_, n in rows)
+    mask = torch.arange(width)[None, :] < torch.tensor([n for *_, n in rows])[:, None]
+    values = torch.tensor([r for _, _, r, _ in rows], dtype=torch.float64)
+    adv = reinforce_pp_advantages(values, mask)[:, 0]
+    for (g, i, _, _), a in zip(rows, adv.tolist(), strict=True):
+        out[g][i] = float(a)
     return out
 
 

@@ -38,7 +38,12 @@ from turnrl.trainer.checkpoint import (
     save_start_policy,
 )
 from turnrl.trainer.config import Config
-from turnrl.trainer.credit import gigpo_turn_advantages, group_advantages, token_advantages
+from turnrl.trainer.credit import (
+    gigpo_turn_advantages,
+    group_advantages,
+    reinforce_pp_trajectory_advantages,
+    token_advantages,
+)
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
@@ -317,6 +322,10 @@ def _advantages(
     if algo.advantage == "gigpo":
         return gigpo_turn_advantages(
             groups, gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, shuffle_seed=shuffle
+        )
+    if algo.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_trajectory_advantages(
+            groups, baseline=algo.advantage == "reinforce_pp_baseline", shuffle_seed=shuffle
         )
     return group_advantages(groups, shuffle_seed=shuffle, estimator=algo.advantage)
 
