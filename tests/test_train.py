@@ -153,3 +153,39 @@ def test_every_estimator_and_loss_trains_end_to_end(tmp_path: Path, options: lis
     for key in ("loss/policy", "train/grad_norm", "train/logprob_mismatch"):
         assert math.isfinite(row[key]), key
     assert row["train/logprob_mismatch"] < 1e-4  # the sampler and the learner agree
+
+
+def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path: Path) -> None:
+    options = ["steps=2", "algorithm.dynamic_sampling=true", "algorithm.max_sample_rounds=3"]
+    result = train(load_config(None, [*SMALL, *options]), tmp_path, progress=False)
+    rows = [r for r in result.rows if "select/sample_rounds" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert 1 <= row["select/sample_rounds"] <= 3
+        assert row["select/groups_sampled"] == 2 * row["select/sample_rounds"]
+        assert row["select/groups_kept"] <= 2
+    logged = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    by_group: dict[tuple[int, int], set[float]] = {}
+    for t in logged:
+        by_group.setdefault((t["step"], t["group"]), set()).add(t["reward"])
+    assert all(len(rewards) > 1 for rewards in by_group.values())  # no flat group was kept
+
+
+def test_variance_filter_and_overlong_shaping_are_applied(tmp_path: Path) -> None:
+    options = [
+        "steps=1",
+        "rollout.prompts_per_step=4",
+        "algorithm.variance_filter_keep=0.5",
+        "algorithm.overlong_cache_tokens=40",
+        "algorithm.overlong_filter=true",
+    ]
+    result = train(load_config(None, [*SMALL, *options]), tmp_path, progress=False)
+    (row,) = [r for r in result.rows if "select/variance_groups_kept" in r]
+    assert row["select/variance_groups_kept"] == 2  # half of 4 groups
+    assert row["select/overlong_penalty_mean"] <= 0.0
+    assert "select/truncated_excluded" in row
+    logged = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert all("overlong_penalty" in t["reward_components"] for t in logged)
+    for t in logged:  # the penalty is part of the reward the advantages saw
+        base = t["reward"] - t["reward_components"]["overlong_penalty"]
+        assert base in (0.0, 1.0)

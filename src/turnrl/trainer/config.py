@@ -134,6 +134,18 @@ class AlgorithmConfig:
     """Optimizer steps per rollout batch (PPO epochs); the first is on-policy."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate to the whole batch."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more
+    prompts (up to ``max_sample_rounds`` rounds per step) to fill the batch."""
+    max_sample_rounds: int = 1
+    """Rounds of prompts_per_step groups a step may sample (bounds dynamic sampling)."""
+    variance_filter_keep: float = 1.0
+    """StarPO-S: keep this top fraction of groups by reward std (1 keeps all)."""
+    overlong_cache_tokens: int = 0
+    """DAPO soft overlong punishment: the reward ramps down to -1 over the last this many
+    tokens of ``rollout.max_episode_tokens`` (0: off)."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated episodes are not trained on."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
 
@@ -273,6 +285,15 @@ class Config:
             ),
             (self.algorithm.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
             (self.algorithm.tis_cap > 0.0, "algorithm.tis_cap must be > 0"),
+            (self.algorithm.max_sample_rounds >= 1, "algorithm.max_sample_rounds must be >= 1"),
+            (
+                0.0 < self.algorithm.variance_filter_keep <= 1.0,
+                "algorithm.variance_filter_keep must be in (0, 1]",
+            ),
+            (
+                0 <= self.algorithm.overlong_cache_tokens <= self.rollout.max_episode_tokens,
+                "algorithm.overlong_cache_tokens must be in 0..rollout.max_episode_tokens",
+            ),
             (
                 not (self.algorithm.policy_loss == "gspo" and self.algorithm.dual_clip),
                 "algorithm.dual_clip applies to the ppo policy loss only",

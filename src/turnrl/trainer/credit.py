@@ -146,6 +146,8 @@ def gigpo_turn_advantages(
     exact: two turns of one task share an anchor when the token contexts before them are
     equal (e.g. the same question and the same tool output).
     """
+    if not groups:
+        return []
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"GiGPO needs groups of one size, got sizes {sorted(sizes)}")

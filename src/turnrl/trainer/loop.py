@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from turnrl.algorithms import overlong_penalty, top_variance_groups
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import EnvSpec, make_env_spec
 from turnrl.errors import ConfigError
@@ -267,20 +268,17 @@ def _train_step(
     sampling: SamplingParams,
     traj_out: TextIO,
 ) -> Row:
-    r = config.rollout
     t0 = time.perf_counter()
-    tasks = [spec.task(step * r.prompts_per_step + j) for j in range(r.prompts_per_step)]
-    group_spec = GroupSpec(
-        r.group_size, limits, sampling, seed=derive_seed(config.seed, step),
-        policy_version=backend.policy_version,
-    )  # fmt: skip
-    groups = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
+    groups, all_groups, selection = _collect(
+        config, step, spec, backend, renderer, limits, sampling
+    )
     t1 = time.perf_counter()
     advantages = _advantages(config, step, groups)
     samples: list[Sample] = []
     sample_adv: list[float | list[float]] = []
+    overlong_filter = config.algorithm.overlong_filter
     for group, group_adv in zip(groups, advantages, strict=True):
-        keep = {id(t) for t in trainable(group)}
+        keep = {id(t) for t in trainable(group) if not (overlong_filter and t.truncated)}
         for traj, adv in zip(group, group_adv, strict=True):
             if id(traj) in keep:
                 samples.extend(traj.samples())
@@ -288,13 +286,15 @@ def _train_step(
                     sample_adv.extend([adv] * len(traj.samples()))
                 else:
                     sample_adv.extend(token_advantages(traj, adv))
-    row: Row = {"step": step + 1, **rollout_metrics(groups)}
+    row: Row = {"step": step + 1, **rollout_metrics(all_groups), **selection}
     row["rollout/dropped_errors"] = float(sum(t.error is not None for g in groups for t in g))
+    if overlong_filter:
+        row["select/truncated_excluded"] = float(sum(t.truncated for g in groups for t in g))
     if samples:
         row.update(learner.step_samples(samples, sample_adv, backend.pad_id))
     backend.policy_version += 1
     t2 = time.perf_counter()
-    tokens = sum(t.num_tokens for g in groups for t in g)
+    tokens = sum(t.num_tokens for g in all_groups for t in g)
     row.update(
         {
             "perf/rollout_s": t1 - t0,
@@ -311,6 +311,74 @@ def _train_step(
             traj_out.write(json.dumps(line) + "\n")
     traj_out.flush()
     return row
+
+
+def _collect(
+    config: Config,
+    step: int,
+    spec: EnvSpec,
+    backend: TorchBackend,
+    renderer: ChatRenderer,
+    limits: EpisodeLimits,
+    sampling: SamplingParams,
+) -> tuple[list[list[Trajectory]], list[list[Trajectory]], Row]:
+    """This step's groups: the ones to train on, every group sampled, selection metrics.
+
+    In order: sample ``prompts_per_step`` groups; with DAPO dynamic sampling, keep only
+    groups whose rewards differ and sample more prompts (at most ``max_sample_rounds``
+    rounds in all) until the batch is full; shape rewards (soft overlong punishment);
+    keep the top fraction of groups by reward std (StarPO-S). Every sampled episode is
+    logged in the rollout metrics, kept or not.
+    """
+    r, algo = config.rollout, config.algorithm
+    kept: list[list[Trajectory]] = []
+    sampled: list[list[Trajectory]] = []
+    rounds = 0
+    while rounds < algo.max_sample_rounds and len(kept) < r.prompts_per_step:
+        # Round 0 reads the usual task stream; extra rounds read a disjoint range.
+        base = step * r.prompts_per_step if rounds == 0 else _EXTRA_TASKS + (
+            step * algo.max_sample_rounds + rounds
+        ) * r.prompts_per_step  # fmt: skip
+        tasks = [spec.task(base + j) for j in range(r.prompts_per_step)]
+        group_spec = GroupSpec(
+            r.group_size, limits, sampling, seed=derive_seed(config.seed, step, *([rounds] if rounds else [])),
+            policy_version=backend.policy_version,
+        )  # fmt: skip
+        new = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
+        sampled.extend(new)
+        rounds += 1
+        if algo.dynamic_sampling:
+            new = [g for g in new if len({t.reward for t in g if t.error is None}) > 1]
+        kept.extend(new)
+    kept = kept[: r.prompts_per_step]
+    metrics: Row = {}
+    if algo.dynamic_sampling:
+        metrics["select/sample_rounds"] = float(rounds)
+        metrics["select/groups_sampled"] = float(len(sampled))
+        metrics["select/groups_kept"] = float(len(kept))
+    if algo.overlong_cache_tokens:
+        lengths = torch.tensor([[t.num_completion_tokens for t in g] for g in kept])
+        penalty = overlong_penalty(
+            lengths.reshape(-1), max_length=r.max_episode_tokens,
+            cache_length=algo.overlong_cache_tokens,
+        ).reshape(lengths.shape).tolist()  # fmt: skip
+        for group, group_penalty in zip(kept, penalty, strict=True):
+            for traj, p in zip(group, group_penalty, strict=True):
+                traj.reward_components["overlong_penalty"] = p
+                traj.reward += p
+        metrics["select/overlong_penalty_mean"] = float(sum(map(sum, penalty))) / max(
+            1, sum(map(len, penalty))
+        )
+    if algo.variance_filter_keep < 1.0 and kept:
+        rewards = torch.tensor([[t.reward for t in g] for g in kept], dtype=torch.float64)
+        mask = top_variance_groups(rewards, keep_fraction=algo.variance_filter_keep).tolist()
+        kept = [g for g, keep in zip(kept, mask, strict=True) if keep]
+        metrics["select/variance_groups_kept"] = float(len(kept))
+    return kept, sampled, metrics
+
+
+_EXTRA_TASKS = 10**9
+"""Task indices of dynamic sampling's extra rounds start here, away from the main stream."""
 
 
 def _advantages(
