@@ -323,3 +323,63 @@ def test_loss_options_are_validated() -> None:
             load_config("quickstart", [bad])
     with pytest.raises(ConfigError, match="dual_clip"):
         load_config("quickstart", ["algorithm.policy_loss=gspo", "algorithm.dual_clip=3"])
+
+
+def gae_samples(model: Any, tokenizer: Any) -> tuple[list[Any], list[float], int]:
+    backend = TorchBackend(model, tokenizer)
+    spec = GroupSpec(
+        2, EpisodeLimits(max_tokens_per_turn=24),
+        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=5,
+    )  # fmt: skip
+    groups = asyncio.run(
+        collect_groups(
+            [SPEC.task(i) for i in range(2)], SPEC.make_env, backend, ChatRenderer(tokenizer), spec
+        )
+    )
+    samples = [s for g in groups for t in g for s in t.samples()]
+    rewards = [float(i % 2) for i in range(len(samples))]
+    return samples, rewards, backend.pad_id
+
+
+def test_ppo_with_a_fresh_critic_equals_whitened_returns(model: Any, tokenizer: Any) -> None:
+    from turnrl.algorithms import masked_whiten
+
+    samples, rewards, pad = gae_samples(model, tokenizer)
+    config = AlgorithmConfig(advantage="gae", max_grad_norm=1e9)
+    ppo = Learner(copy.deepcopy(model), config, temperature=1.0)
+    ppo.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+    ppo.step_samples_gae(samples, rewards, pad)
+    # V = 0 (zero-initialised head), gamma = lambda = 1: every sampled token's advantage is
+    # its sequence's reward, whitened over all sampled tokens of the batch.
+    batch = pack(samples, rewards, pad)
+    whitened = masked_whiten(batch.advantages, batch.loss_mask)
+    plain = Learner(copy.deepcopy(model), AlgorithmConfig(max_grad_norm=1e9), temperature=1.0)
+    plain.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+    plain.step(Batch(batch.input_ids, batch.attention_mask, batch.loss_mask,
+                     batch.old_logprobs, whitened))  # fmt: skip
+    grads = {n: p.grad for n, p in ppo.model.named_parameters() if p.grad is not None}
+    expected = {n: p.grad for n, p in plain.model.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys()
+    for name in grads:
+        assert torch.allclose(grads[name], expected[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("critic", ["head", "model"])
+def test_the_critic_learns_the_returns_and_leaves_the_policy_alone(
+    model: Any, tokenizer: Any, critic: str
+) -> None:
+    samples, _, pad = gae_samples(model, tokenizer)
+    rewards = [1.0] * len(samples)  # a target every critic can reach: V = 1 everywhere
+    config = AlgorithmConfig(advantage="gae", critic=critic, critic_lr=5e-2, critic_epochs=4)
+    learner = Learner(copy.deepcopy(model), config, temperature=1.0)
+    learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # freeze policy
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    errors = [learner.step_samples_gae(samples, rewards, pad)["critic/abs_error"]]
+    for _ in range(4):
+        errors.append(learner.step_samples_gae(samples, rewards, pad)["critic/abs_error"])
+    assert errors[0] == pytest.approx(1.0)  # V = 0 to start
+    assert errors[-1] < 0.5  # the values moved toward the returns
+    for name, param in learner.model.named_parameters():  # the value loss never moved them
+        assert torch.equal(param, before[name]), name
+    assert learner.critic is not None
+    assert (learner.critic.trunk is learner.model) == (critic == "head")

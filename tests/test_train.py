@@ -140,6 +140,8 @@ def test_an_unknown_estimator_name_is_a_clear_error() -> None:
     "options",
     [
         ["algorithm.advantage=gigpo"],
+        ["algorithm.advantage=gae", "algorithm.critic=model"],
+        ["algorithm.advantage=gae", "algorithm.critic=head", "algorithm.control=shuffled_rewards"],
         ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.1"],
         ["algorithm.advantage=reinforce_pp_baseline"],
         ["algorithm.policy_loss=gspo", "algorithm.loss_reduction=seq_mean_token_mean"],

@@ -85,12 +85,28 @@ class AlgorithmConfig:
     """
 
     advantage: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gigpo"
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gigpo", "gae"
     ] = "grpo"
     """Advantage estimator: GRPO (mean and unbiased std of the group), Dr. GRPO (mean
     only), RLOO (leave-one-out mean), REINFORCE++ (returns whitened over the batch's
     tokens; ``_baseline`` subtracts the group mean first), or GiGPO (GRPO per episode plus
-    a step-level term among turns of one task that saw an identical context)."""
+    a step-level term among turns of one task that saw an identical context), or GAE with
+    a learned critic (PPO; see ``critic``)."""
+    critic: Literal["head", "model"] = "model"
+    """With ``advantage = "gae"``: a value head on the policy's (detached) hidden states, or
+    a separate value model (a copy of the starting policy plus a head)."""
+    critic_lr: float = 1e-3
+    """The critic's AdamW learning rate."""
+    critic_epochs: int = 1
+    """Critic optimizer steps per rollout batch."""
+    value_clip: float = 0.2
+    """PPO value clipping range around the rollout's values (0: unclipped)."""
+    gae_gamma: float = 1.0
+    """GAE discount over sampled tokens (1 as in RAGEN and Search-R1)."""
+    gae_lambda: float = 1.0
+    """GAE lambda (1: the return minus the value; PPO's classic choice is 0.95)."""
+    whiten_advantages: bool = True
+    """GAE: whiten the advantages over the batch's sampled tokens (PPO's usual practice)."""
     gigpo_gamma: float = 0.95
     """GiGPO: discount of the step-level returns."""
     gigpo_omega: float = 1.0
@@ -285,6 +301,11 @@ class Config:
             ),
             (self.algorithm.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
             (self.algorithm.tis_cap > 0.0, "algorithm.tis_cap must be > 0"),
+            (self.algorithm.critic_lr > 0.0, "algorithm.critic_lr must be > 0"),
+            (self.algorithm.critic_epochs >= 1, "algorithm.critic_epochs must be >= 1"),
+            (self.algorithm.value_clip >= 0.0, "algorithm.value_clip must be >= 0"),
+            (0.0 <= self.algorithm.gae_gamma <= 1.0, "algorithm.gae_gamma must be in [0, 1]"),
+            (0.0 <= self.algorithm.gae_lambda <= 1.0, "algorithm.gae_lambda must be in [0, 1]"),
             (self.algorithm.max_sample_rounds >= 1, "algorithm.max_sample_rounds must be >= 1"),
             (
                 0.0 < self.algorithm.variance_filter_keep <= 1.0,

@@ -18,8 +18,10 @@ from turnrl.algorithms import (
     KL_ESTIMATORS,
     PolicyLossOutput,
     clipped_policy_loss,
+    gae_advantages,
     gspo_policy_loss,
     masked_mean,
+    masked_whiten,
     seq_mean_token_mean,
     seq_mean_token_sum,
     seq_mean_token_sum_norm,
@@ -31,78 +33,22 @@ from turnrl.algorithms import (
 from turnrl.errors import ConfigError
 from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.critic import Critic
+from turnrl.trainer.forward import (
+    MIN_SHARED_PREFIX,
+    common_prefix_length,
+    hidden_states,
+    token_logprobs,
+)
 from turnrl.types import Sample
 
-MIN_SHARED_PREFIX = 8
-"""Shortest common prefix worth computing once for the whole micro-batch."""
-
-
-def common_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """How many leading tokens every row shares (and attends to), at most T - 1."""
-    same = ((input_ids == input_ids[:1]) & attention_mask.bool()).all(dim=0)  # [T]
-    differs = (~same).nonzero()
-    length = int(differs[0, 0]) if len(differs) else input_ids.shape[1]
-    return min(length, input_ids.shape[1] - 1)
-
-
-def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-    """The last hidden states [B, T, H] of right-padded rows.
-
-    Rows of one batch usually share a long prefix (system prompt, tool list, often the
-    whole question of a group). That prefix is run once with batch size 1 and its key/value
-    cache is repeated for the rest of the rows, so the shared tokens cost one row instead
-    of B; gradients flow back through the shared computation (equal to the plain forward to
-    float rounding — tested).
-    """
-    rows = input_ids.shape[0]
-    shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
-    if shared < MIN_SHARED_PREFIX:
-        return model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask
-        ).last_hidden_state
-    head = model.base_model(
-        input_ids=input_ids[:1, :shared], attention_mask=attention_mask[:1, :shared], use_cache=True
-    )
-    cache = head.past_key_values
-    cache.batch_repeat_interleave(rows)
-    tail = model.base_model(
-        input_ids=input_ids[:, shared:],
-        attention_mask=attention_mask,
-        past_key_values=cache,
-        use_cache=False,
-    ).last_hidden_state
-    return torch.cat([head.last_hidden_state.expand(rows, -1, -1), tail], dim=1)
-
-
-def token_logprobs(
-    model: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor,
-    temperature: float,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(x_t | x_<t) and the entropy of pi(. | x_<t), both [B, T], where ``loss_mask``.
-
-    Only the positions that are trained on go through the output layer: in agent rollouts
-    most tokens are prompt and tool output, so this skips most of the vocabulary-sized
-    work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
-    Elsewhere both outputs are 0. The entropy carries a gradient only with
-    ``entropy_grad`` (an entropy bonus needs it; logging does not).
-    """
-    hidden = hidden_states(model, input_ids, attention_mask)  # [B, T, H]
-    target = loss_mask.clone()
-    target[:, 0] = False  # the first token has no context to be predicted from
-    b, t = target.nonzero(as_tuple=True)
-    logits = model.get_output_embeddings()(hidden[b, t - 1]).float() / temperature  # [N, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(-1, input_ids[b, t][:, None]).squeeze(-1)
-    logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
-    logprobs = logprobs.index_put((b, t), picked)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        per_position = -(logp_all.exp() * logp_all).sum(-1)
-        entropy = torch.zeros_like(logprobs).index_put((b, t), per_position)
-    return logprobs, entropy
+__all__ = [
+    "MIN_SHARED_PREFIX",
+    "Learner",
+    "common_prefix_length",
+    "hidden_states",
+    "token_logprobs",
+]
 
 
 class Learner:
@@ -135,6 +81,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
+        self.critic = Critic(model, config) if config.advantage == "gae" else None
 
     def step_samples(
         self,
@@ -151,6 +98,50 @@ class Learner:
             for part in (order[s : s + size] for s in range(0, len(order), size))
         ]
         return self.step(chunks)
+
+    def step_samples_gae(
+        self, samples: Sequence[Sample], rewards: Sequence[float], pad_id: int
+    ) -> dict[str, float]:
+        """PPO: one update from samples and each sample's reward (paid on its last sampled
+        token). The critic scores every sampled token, GAE turns rewards and values into
+        advantages and returns (skipping masked tokens), the policy steps on the (whitened)
+        advantages, then the critic steps on the returns."""
+        if self.critic is None:
+            raise ConfigError("step_samples_gae needs algorithm.advantage = 'gae'")
+        cfg = self.config
+        token_rewards: list[list[float]] = []
+        for sample, reward in zip(samples, rewards, strict=True):
+            row = [0.0] * len(sample.input_ids)
+            last = max((i for i, m in enumerate(sample.loss_mask) if m), default=None)
+            if last is not None:
+                row[last] = float(reward)
+            token_rewards.append(row)
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+        size = cfg.micro_batch_size
+        chunks = [
+            pack([samples[i] for i in part], [token_rewards[i] for i in part], pad_id)
+            for part in (order[s : s + size] for s in range(0, len(order), size))
+        ]
+        values = [self.critic.values(mb) for mb in chunks]
+        gae = [
+            gae_advantages(mb.advantages, v, mb.loss_mask, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
+            for mb, v in zip(chunks, values, strict=True)
+        ]
+        advantages = [g.advantages for g in gae]
+        if cfg.whiten_advantages:
+            advantages = _whiten_across(advantages, [mb.loss_mask for mb in chunks])
+        policy_batches = [
+            Batch(mb.input_ids, mb.attention_mask, mb.loss_mask, mb.old_logprobs, adv.float())
+            for mb, adv in zip(chunks, advantages, strict=True)
+        ]
+        metrics = self.step(policy_batches)
+        num_tokens = sum(float(mb.loss_mask.sum()) for mb in chunks) or 1.0
+        metrics["critic/value_mean"] = (
+            sum(float(v[mb.loss_mask].sum()) for v, mb in zip(values, chunks, strict=True))
+            / num_tokens
+        )
+        metrics.update(self.critic.step(chunks, [g.returns for g in gae], values))
+        return metrics
 
     def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
         """One update from a batch (split into micro-batches) or from given micro-batches."""
@@ -298,6 +289,23 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         return totals, float(grad_norm)
+
+
+def _whiten_across(
+    values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``masked_whiten`` over the valid entries of several ``[B_i, T_i]`` tensors at once
+    (the whole batch's mean and std, whatever its micro-batch split)."""
+    flat = torch.cat([v[m] for v, m in zip(values, masks, strict=True)])
+    whitened = masked_whiten(flat, torch.ones_like(flat, dtype=torch.bool))
+    out, start = [], 0
+    for v, m in zip(values, masks, strict=True):
+        piece = torch.zeros_like(v)
+        count = int(m.sum())
+        piece[m] = whitened[start : start + count]
+        out.append(piece)
+        start += count
+    return out
 
 
 def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

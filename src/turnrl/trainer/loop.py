@@ -40,6 +40,7 @@ from turnrl.trainer.checkpoint import (
 )
 from turnrl.trainer.config import Config
 from turnrl.trainer.credit import (
+    batch_rewards,
     gigpo_turn_advantages,
     group_advantages,
     reinforce_pp_trajectory_advantages,
@@ -277,13 +278,18 @@ def _train_step(
     samples: list[Sample] = []
     sample_adv: list[float | list[float]] = []
     overlong_filter = config.algorithm.overlong_filter
+    gae = config.algorithm.advantage == "gae"
     for group, group_adv in zip(groups, advantages, strict=True):
         keep = {id(t) for t in trainable(group) if not (overlong_filter and t.truncated)}
         for traj, adv in zip(group, group_adv, strict=True):
             if id(traj) in keep:
-                samples.extend(traj.samples())
-                if isinstance(adv, float):
-                    sample_adv.extend([adv] * len(traj.samples()))
+                pieces = traj.samples()
+                samples.extend(pieces)
+                if gae:  # the reward, paid once: on the last sample's last sampled token
+                    assert isinstance(adv, float)
+                    sample_adv.extend([0.0] * (len(pieces) - 1) + [adv])
+                elif isinstance(adv, float):
+                    sample_adv.extend([adv] * len(pieces))
                 else:
                     sample_adv.extend(token_advantages(traj, adv))
     row: Row = {"step": step + 1, **rollout_metrics(all_groups), **selection}
@@ -291,7 +297,11 @@ def _train_step(
     if overlong_filter:
         row["select/truncated_excluded"] = float(sum(t.truncated for g in groups for t in g))
     if samples:
-        row.update(learner.step_samples(samples, sample_adv, backend.pad_id))
+        if gae:
+            rewards = [float(a) for a in sample_adv if isinstance(a, float)]
+            row.update(learner.step_samples_gae(samples, rewards, backend.pad_id))
+        else:
+            row.update(learner.step_samples(samples, sample_adv, backend.pad_id))
     backend.policy_version += 1
     t2 = time.perf_counter()
     tokens = sum(t.num_tokens for g in all_groups for t in g)
@@ -384,13 +394,20 @@ _EXTRA_TASKS = 10**9
 def _advantages(
     config: Config, step: int, groups: Sequence[Sequence[Trajectory]]
 ) -> Sequence[Sequence[float | list[float]]]:
-    """One advantage per trajectory, or (GiGPO) one per turn of each trajectory."""
+    """One advantage per trajectory, or (GiGPO) one per turn of each trajectory; for GAE
+    the (possibly shuffled) rewards, which the learner's critic turns into advantages."""
     algo = config.algorithm
     shuffle = _shuffle_seed(config, step)
     if algo.advantage == "gigpo":
         return gigpo_turn_advantages(
             groups, gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, shuffle_seed=shuffle
         )
+    if algo.advantage == "gae":
+        rewards = batch_rewards(groups, shuffle)
+        return [
+            [r if t.error is None else 0.0 for t, r in zip(g, rg, strict=True)]
+            for g, rg in zip(groups, rewards, strict=True)
+        ]
     if algo.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         return reinforce_pp_trajectory_advantages(
             groups, baseline=algo.advantage == "reinforce_pp_baseline", shuffle_seed=shuffle
