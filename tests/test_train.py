@@ -114,6 +114,17 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
         train(load_config(None, [*SMALL, "steps=6"]), stopped, resume=True, progress=False)
 
 
+def test_a_ppo_run_resumes_with_its_critic(tmp_path: Path) -> None:
+    ppo = [*SMALL, "algorithm.advantage=gae", "algorithm.critic=model"]
+    straight = tmp_path / "straight"
+    train(load_config(None, [*ppo, "steps=3"]), straight, progress=False)
+    stopped = tmp_path / "stopped"
+    train(load_config(None, [*ppo, "steps=2"]), stopped, progress=False)
+    assert (stopped / "checkpoints" / "step_000002" / "extra.pt").is_file()
+    train(load_config(None, [*ppo, "steps=3"]), stopped, resume=True, progress=False)
+    assert [deterministic(r) for r in rows(stopped)] == [deterministic(r) for r in rows(straight)]
+
+
 @pytest.mark.parametrize(
     ("estimator", "expected"),
     [

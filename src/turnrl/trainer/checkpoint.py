@@ -30,8 +30,15 @@ class TrainerState:
 
 
 def save_checkpoint(
-    run_dir: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: TrainerState
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
+    """Write ``checkpoints/step_N`` atomically; ``extra`` (e.g. the critic's state) goes to
+    ``extra.pt``."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:06d}"
@@ -40,6 +47,8 @@ def save_checkpoint(
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if extra is not None:
+        torch.save(extra, tmp / "extra.pt")
     (tmp / "state.json").write_text(json.dumps(state.__dict__))
     if final.exists():
         shutil.rmtree(final)
@@ -70,6 +79,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = run_dir / "checkpoints" / pointer.read_text().strip()
     return path if (path / "state.json").is_file() else None
+
+
+def load_extra(checkpoint: Path) -> dict[str, Any] | None:
+    """What ``save_checkpoint`` stored as ``extra``, or None."""
+    path = checkpoint / "extra.pt"
+    return torch.load(path, weights_only=True) if path.is_file() else None  # type: ignore[no-any-return]
 
 
 def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> TrainerState:

@@ -44,6 +44,22 @@ class Critic:
             params += list(self.trunk.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=config.critic_lr)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: the head, the trunk (separate model only), the
+        optimizer."""
+        state: dict[str, Any] = {
+            "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()
+        }  # fmt: skip
+        if not self.shared:
+            state["trunk"] = self.trunk.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.head.load_state_dict(state["head"])
+        if not self.shared:
+            self.trunk.load_state_dict(state["trunk"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def values(self, mb: Batch, *, grad: bool = False) -> torch.Tensor:
         """V of each sampled token's state, ``[B, T]`` (0 where ``loss_mask`` is 0)."""
         target = mb.loss_mask.clone()

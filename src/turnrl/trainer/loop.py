@@ -34,6 +34,7 @@ from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
 from turnrl.trainer.checkpoint import (
     TrainerState,
     latest_checkpoint,
+    load_extra,
     load_trainer_state,
     save_checkpoint,
     save_start_policy,
@@ -140,6 +141,11 @@ def train(
         if checkpoint is not None:
             state = load_trainer_state(checkpoint, learner.optimizer)
             start, backend.policy_version = state.step, state.policy_version
+            extra = load_extra(checkpoint)
+            if learner.critic is not None:
+                if extra is None or "critic" not in extra:
+                    raise ConfigError(f"{checkpoint} has no critic state to resume PPO from")
+                learner.critic.load_state_dict(extra["critic"])
         monitor = Monitor(config.monitor)
         if checkpoint is not None:  # replay the run so far: raised alarms stay latched
             monitor.replay(read_rows(run_dir / "metrics.jsonl"), until_step=start)
@@ -189,14 +195,16 @@ def train(
             )
             if done % config.save_every == 0 or last:
                 state = TrainerState(step=done, policy_version=backend.policy_version)
-                save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
+                save_checkpoint(
+                    run_dir, model, tokenizer, learner.optimizer, state, _extra(learner)
+                )
             if stop:
                 _say(f"stopping after step {done}: monitor.action = stop", progress)
             if out_of_time or stop:
                 break
         if config.steps == 0 or start >= config.steps:
             state = TrainerState(step=start, policy_version=backend.policy_version)
-            save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state)
+            save_checkpoint(run_dir, model, tokenizer, learner.optimizer, state, _extra(learner))
     return result
 
 
@@ -321,6 +329,11 @@ def _train_step(
             traj_out.write(json.dumps(line) + "\n")
     traj_out.flush()
     return row
+
+
+def _extra(learner: Learner) -> dict[str, Any] | None:
+    """Checkpoint state beyond the policy and its optimizer: the critic's, if any."""
+    return None if learner.critic is None else {"critic": learner.critic.state_dict()}
 
 
 def _collect(
