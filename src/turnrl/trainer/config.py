@@ -344,17 +344,39 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...
     return config
 
 
-def read_recipe(recipe: str) -> dict[str, Any]:
+def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's settings. A recipe may name another as ``base = "name"``: the base is read
+    first and the recipe's own keys override it, section by section (presets are a few
+    algorithm knobs on top of a probe recipe)."""
     path = Path(recipe)
     if path.suffix != ".toml":
         path = RECIPES_DIR / f"{recipe}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in RECIPES_DIR.glob("*.toml")) if RECIPES_DIR.is_dir() else []
         raise ConfigError(f"no recipe {recipe!r} (looked for {path}); known recipes: {known}")
+    if path.resolve() in _seen:
+        chain = " -> ".join(p.stem for p in (*_seen, path.resolve()))
+        raise ConfigError(f"recipe bases form a cycle: {chain}")
     try:
-        return tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be a recipe name, got {base!r}")
+    merged = read_recipe(base, (*_seen, path.resolve()))
+    _merge(merged, data)
+    return merged
+
+
+def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def _parse_value(raw: str) -> Any:
