@@ -189,6 +189,20 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    """Where metrics go besides metrics.jsonl (which is always written)."""
+
+    tensorboard: bool = True
+    """TensorBoard event files in ``run_dir/tensorboard`` (``tensorboard --logdir``)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (``pip install 'turnrl[wandb]'``)."""
+    wandb_project: str = "turnrl"
+    """W&B project name."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline`` needs no account or network (``wandb sync`` uploads later)."""
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """Collapse alarms computed every step from the metrics (trainer/monitors.py).
 
@@ -277,6 +291,7 @@ class Config:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         checks = [

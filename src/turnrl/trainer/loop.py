@@ -49,6 +49,7 @@ from turnrl.trainer.credit import (
 )
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
+from turnrl.trainer.sinks import MetricSinks
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 from turnrl.types import Sample, Trajectory
 
@@ -105,11 +106,13 @@ def train(
         (run_dir / "metrics.jsonl").open("a") as metrics_out,
         (run_dir / "trajectories.jsonl").open("a") as traj_out,
         (run_dir / "alarms.jsonl").open("a") as alarms_out,
+        MetricSinks(config, run_dir) as sinks,
     ):
 
         def emit(row: Row) -> None:
             metrics_out.write(json.dumps(row) + "\n")
             metrics_out.flush()
+            sinks.write(row)
             result.rows.append(row)
             if on_row:
                 on_row(row)

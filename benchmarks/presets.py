@@ -1,0 +1,139 @@
+"""Every preset trains on the secret-lookup probe: same seed, same warm-up checkpoint,
+same wall-clock budget; a table of how far each gets.
+
+The tiny model and its syntax-only warm-up are built once (``learning_proof`` recipe
+settings); every preset then starts RL from that checkpoint (``model.path``, no further
+warm-up), with its own algorithm knobs (recipes/NAME.toml, docs/papers.md).
+
+    python benchmarks/presets.py                     # all presets, 8 minutes each, 2 at a time
+    python benchmarks/presets.py --presets grpo gigpo --minutes 3 --jobs 1
+
+Writes benchmarks/results/presets.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turnrl.trainer.config import load_config
+from turnrl.trainer.loop import train
+
+ROOT = Path(__file__).resolve().parent
+PRESETS = ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo", "starpo_s", "gigpo"]
+PROBE = [  # the learning proof's probe and evaluation, whatever the preset's base says
+    "env.num_keys=2", "env.key_pool=2", "env.num_values=12",
+    "eval.every=10", "eval.num_tasks=128", "steps=5000", "save_every=100000",
+]  # fmt: skip
+
+
+def warmup_checkpoint(runs: Path, seed: int) -> Path:
+    """Build the tiny model and run the warm-up once; return the policy RL starts from."""
+    run_dir = runs / f"warmup-seed{seed}"
+    start = run_dir / "start_model"
+    if not (start / "config.json").is_file():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        train(load_config("learning_proof", [f"seed={seed}", "steps=0"]), run_dir, progress=False)
+    return start
+
+
+def run_preset(
+    name: str, start: Path, seed: int, minutes: float, runs: Path, threads: int
+) -> dict[str, Any]:
+    overrides = [
+        *PROBE, f"seed={seed}", f"model.path={start}", "warmup.steps=0",
+        f"max_minutes={minutes}", f"threads={threads}",
+    ]  # fmt: skip
+    config = load_config(name, overrides)
+    run_dir = runs / f"preset-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    result = train(config, run_dir, progress=False)
+    wall = time.perf_counter() - t0
+    curve = [
+        (int(r["step"]), float(r.get("perf/elapsed_s", 0.0)), float(r["eval/success_mean"]))
+        for r in result.rows
+        if "eval/success_mean" in r
+    ]
+    reached = next(((s, t) for s, t, v in curve if v >= 0.8), None)
+    return {
+        "preset": name,
+        "start_success": curve[0][2],
+        "final_success": curve[-1][2],
+        "best_success": max(v for _, _, v in curve),
+        "steps": curve[-1][0],
+        "step_reaching_80": reached[0] if reached else None,
+        "minutes_to_80": round(reached[1] / 60, 2) if reached else None,
+        "wall_minutes": round(wall / 60, 2),
+        "alarms": [a.name for a in result.alarms],
+        "curve": curve,
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| preset | start | final | best | steps | steps to 80% | minutes to 80% | wall min |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['preset']} | {r['start_success']:.2f} | {r['final_success']:.2f} | "
+            f"{r['best_success']:.2f} | {r['steps']} | {r['step_reaching_80'] or '-'} | "
+            f"{r['minutes_to_80'] or 'not reached'} | {r['wall_minutes']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    parser.add_argument("--minutes", type=float, default=8.0, help="RL budget per preset")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2, help="presets trained side by side")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "presets")
+    args = parser.parse_args()
+    runs = ROOT / "runs"
+    start = warmup_checkpoint(runs, args.seed)
+    threads = max(1, multiprocessing.cpu_count() // args.jobs)
+    context = multiprocessing.get_context("spawn")
+    results: list[dict[str, Any]] = []
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        futures = [
+            pool.submit(run_preset, name, start, args.seed, args.minutes, runs, threads)
+            for name in args.presets
+        ]
+        for future in futures:
+            results.append(future.result())
+            print(table(results[-1:]), flush=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
+        f"{args.jobs} presets at a time with {threads} torch thread(s) each",
+        "torch": torch.__version__,
+        "budget_minutes": args.minutes,
+        "seed": args.seed,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({**meta, "runs": results}, indent=2))
+    md = [f"# Presets on the secret-lookup probe ({meta['date']}, {meta['machine']})", ""]
+    md += [f"Budget: {args.minutes} minutes of RL per preset, seed {args.seed}, from one "
+           "warm-up checkpoint; held-out success on 128 tasks (chance 0.083).", ""]  # fmt: skip
+    md += [table(results), ""]
+    for r in results:
+        points = ", ".join(f"{s}:{v:.2f}" for s, _, v in r["curve"])
+        md.append(f"- {r['preset']} (step:held-out success): {points}")
+    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
