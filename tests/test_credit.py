@@ -103,20 +103,49 @@ def episode(index: int, reward: float, tokens: int) -> Trajectory:
     return Trajectory("t", index, turns=[turn((1,), tuple(range(tokens)))], reward=reward)
 
 
+def sampled(traj: Trajectory, values: list[float | list[float]]) -> list[float]:
+    """The values on the sampled tokens of a trajectory's samples, in order."""
+    out: list[float] = []
+    for sample, value in zip(traj.samples(), values, strict=True):
+        assert isinstance(value, list)
+        out += [v for v, m in zip(value, sample.loss_mask, strict=True) if m]
+    return out
+
+
 def test_reinforce_pp_whitens_rewards_over_every_sampled_token() -> None:
-    from turnrl.trainer.credit import reinforce_pp_trajectory_advantages
+    from turnrl.trainer.credit import reinforce_pp_sample_advantages
 
     groups = [[episode(0, 1.0, 3), episode(1, 0.0, 1)], [episode(0, 0.0, 2), episode(1, 0.0, 2)]]
-    (a, b) = reinforce_pp_trajectory_advantages(groups)
+    out = reinforce_pp_sample_advantages(groups)
     tokens = torch.tensor([1.0] * 3 + [0.0] * 1 + [0.0] * 4)  # each token carries its R
     mean, std = tokens.mean(), tokens.std()
-    assert a == pytest.approx([float((1 - mean) / std), float(-mean / std)], abs=1e-6)
-    assert b == pytest.approx([float(-mean / std)] * 2, abs=1e-6)
+    hi, lo = float((1 - mean) / std), float(-mean / std)
+    assert sampled(groups[0][0], out[0][0]) == pytest.approx([hi] * 3, abs=1e-6)
+    assert sampled(groups[0][1], out[0][1]) == pytest.approx([lo], abs=1e-6)
+    assert sampled(groups[1][0], out[1][0]) == pytest.approx([lo] * 2, abs=1e-6)
     # The baseline variant centres each group first: group 2 is flat, group 1 is not.
-    (c, d) = reinforce_pp_trajectory_advantages(groups, baseline=True)
+    base = reinforce_pp_sample_advantages(groups, baseline=True)
     centred = torch.tensor([0.5] * 3 + [-0.5] + [0.0] * 4)
     cm, cs = centred.mean(), centred.std()
-    assert c == pytest.approx([float((0.5 - cm) / cs), float((-0.5 - cm) / cs)], abs=1e-6)
-    assert d == pytest.approx([float(-cm / cs)] * 2, abs=1e-6)
+    assert sampled(groups[0][0], base[0][0]) == pytest.approx([float((0.5 - cm) / cs)] * 3)
+    assert sampled(groups[1][1], base[1][1]) == pytest.approx([float(-cm / cs)] * 2)
     errored = [[episode(0, 1.0, 2), Trajectory("t", 1, error="boom")]]
-    assert reinforce_pp_trajectory_advantages(errored)[0][1] == 0.0
+    assert reinforce_pp_sample_advantages(errored)[0][1] == []
+
+
+def test_reinforce_pp_with_the_kl_in_the_reward_matches_the_pure_function() -> None:
+    from turnrl.algorithms import reinforce_pp_advantages
+    from turnrl.trainer.credit import reinforce_pp_sample_advantages
+
+    a, b = episode(0, 1.0, 3), episode(1, 0.0, 2)
+    kl = {id(a): [[0.0, 0.1, 0.2, 0.3]], id(b): [[0.0, 0.5, -0.1]]}  # prompt token first
+    out = reinforce_pp_sample_advantages([[a, b]], kl=kl, kl_coef=0.5)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    expected = reinforce_pp_advantages(
+        torch.tensor([1.0, 0.0], dtype=torch.float64), mask,
+        kl=torch.tensor([[0.1, 0.2, 0.3], [0.5, -0.1, 0.0]], dtype=torch.float64), kl_coef=0.5,
+    )  # fmt: skip
+    assert sampled(a, out[0][0]) == pytest.approx(expected[0].tolist(), abs=1e-9)
+    assert sampled(b, out[0][1]) == pytest.approx(expected[1, :2].tolist(), abs=1e-9)
+    first, *rest = sampled(a, out[0][0])
+    assert all(first < x for x in rest)  # earlier tokens pay more of the KL to come

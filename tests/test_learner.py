@@ -325,6 +325,16 @@ def test_loss_options_are_validated() -> None:
         load_config("quickstart", ["algorithm.policy_loss=gspo", "algorithm.dual_clip=3"])
 
 
+def on_last_token(samples: list[Any], rewards: list[float]) -> list[list[float]]:
+    """Per-token rewards: each sample's reward on its last sampled token."""
+    rows = []
+    for sample, reward in zip(samples, rewards, strict=True):
+        row = [0.0] * len(sample.input_ids)
+        row[max(i for i, m in enumerate(sample.loss_mask) if m)] = reward
+        rows.append(row)
+    return rows
+
+
 def gae_samples(model: Any, tokenizer: Any) -> tuple[list[Any], list[float], int]:
     backend = TorchBackend(model, tokenizer)
     spec = GroupSpec(
@@ -348,7 +358,7 @@ def test_ppo_with_a_fresh_critic_equals_whitened_returns(model: Any, tokenizer: 
     config = AlgorithmConfig(advantage="gae", max_grad_norm=1e9)
     ppo = Learner(copy.deepcopy(model), config, temperature=1.0)
     ppo.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
-    ppo.step_samples_gae(samples, rewards, pad)
+    ppo.step_samples_gae(samples, on_last_token(samples, rewards), pad)
     # V = 0 (zero-initialised head), gamma = lambda = 1: every sampled token's advantage is
     # its sequence's reward, whitened over all sampled tokens of the batch.
     batch = pack(samples, rewards, pad)
@@ -374,9 +384,10 @@ def test_the_critic_learns_the_returns_and_leaves_the_policy_alone(
     learner = Learner(copy.deepcopy(model), config, temperature=1.0)
     learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # freeze policy
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    errors = [learner.step_samples_gae(samples, rewards, pad)["critic/abs_error"]]
+    token_rewards = on_last_token(samples, rewards)
+    errors = [learner.step_samples_gae(samples, token_rewards, pad)["critic/abs_error"]]
     for _ in range(4):
-        errors.append(learner.step_samples_gae(samples, rewards, pad)["critic/abs_error"])
+        errors.append(learner.step_samples_gae(samples, token_rewards, pad)["critic/abs_error"])
     assert errors[0] == pytest.approx(1.0)  # V = 0 to start
     assert errors[-1] < 0.5  # the values moved toward the returns
     for name, param in learner.model.named_parameters():  # the value loss never moved them

@@ -202,3 +202,22 @@ def test_variance_filter_and_overlong_shaping_are_applied(tmp_path: Path) -> Non
     for t in logged:  # the penalty is part of the reward the advantages saw
         base = t["reward"] - t["reward_components"]["overlong_penalty"]
         assert base in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp", "gae"])
+def test_a_kl_in_the_reward_is_paid_and_recorded(tmp_path: Path, estimator: str) -> None:
+    options = [
+        "steps=2", "algorithm.kl_placement=reward", "algorithm.kl_coef=0.5",
+        "algorithm.kl_estimator=k1", f"algorithm.advantage={estimator}", "algorithm.lr=0.05",
+    ]  # fmt: skip
+    result = train(load_config(None, [*SMALL, *options]), tmp_path, progress=False)
+    trained = [r for r in result.rows if "loss/kl" in r]
+    assert all(r["loss/kl"] == 0.0 for r in trained)  # nothing of it in the loss
+    logged = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    penalties = [t["reward_components"]["kl_penalty"] for t in logged if t["step"] == 2]
+    assert penalties
+    assert all(math.isfinite(p) for p in penalties)
+    assert any(p != 0.0 for p in penalties)  # step 1's update moved the policy off the reference
+    for t in logged:
+        base = t["reward"] - (t["reward_components"]["kl_penalty"] if estimator == "grpo" else 0)
+        assert base == pytest.approx(float(t["success"]), abs=1e-9)

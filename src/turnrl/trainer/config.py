@@ -130,6 +130,10 @@ class AlgorithmConfig:
     sequences whose ratio exceeds ``tis_cap``."""
     tis_cap: float = 2.0
     """Cap C of the truncated importance weights / the sequence mask's threshold."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """Where ``kl_coef`` x KL goes: added to the loss (GRPO's way), or subtracted from the
+    reward (PPO's and REINFORCE++'s way: per token for REINFORCE++ and GAE, summed over the
+    sampled tokens for the group estimators); recorded as the ``kl_penalty`` component."""
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
     """Estimator of KL(policy || reference) per token, added to the loss as ``kl_coef`` x it."""
 

@@ -4,8 +4,8 @@ Two shapes of estimator:
 
 - *group* estimators (GRPO, Dr. GRPO, RLOO) give each trajectory one advantage, compared
   within the G trajectories of its task (``group_advantages``);
-- REINFORCE++ (and its group-baseline variant) whiten the returns over every sampled token
-  of the batch (``reinforce_pp_trajectory_advantages``);
+- REINFORCE++ (and its group-baseline variant) whiten per-token returns over every sampled
+  token of the batch (``reinforce_pp_sample_advantages``);
 - GiGPO gives each *turn* its own advantage: the episode-level GRPO term plus a step-level
   term computed among the turns of the task's trajectories that acted on an identical
   context (``gigpo_turn_advantages``). Identical contexts are found exactly, by the token
@@ -18,7 +18,7 @@ with ``Trajectory.samples``.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -83,37 +83,59 @@ def group_advantages(
     return out
 
 
-def reinforce_pp_trajectory_advantages(
+SampleValues = list[float | list[float]]
+"""Per sample of a trajectory (``Trajectory.samples``): one value, or one per token."""
+
+
+def reinforce_pp_sample_advantages(
     groups: Sequence[Sequence[Trajectory]],
     *,
     baseline: bool = False,
     shuffle_seed: int | None = None,
-) -> list[list[float]]:
-    """REINFORCE++ advantage of each trajectory (ALGORITHMS.md), ``[group][member]``.
+    kl: Mapping[int, list[list[float]]] | None = None,
+    kl_coef: float = 0.0,
+) -> list[list[SampleValues]]:
+    """REINFORCE++ advantage of every sampled token (ALGORITHMS.md), per sample.
 
-    With the KL in the loss (not in the reward) and the reward on the last token, every
-    sampled token of a trajectory has the same return R, and the advantage is R whitened
-    over all sampled tokens of the batch (``reinforce_pp_advantages``): a long trajectory
-    weighs more in the batch mean. ``baseline`` first subtracts each group's mean reward
+    The reward is paid on a trajectory's last sampled token; with ``kl`` (per sample, per
+    token, keyed by ``id(trajectory)``) each sampled token also pays ``-kl_coef * KL_t``
+    (the KL in the reward, as in the paper). The return of a token sums what is paid from
+    it on, over sampled tokens only (tool output is skipped); the returns are whitened over
+    every sampled token of the batch (``reinforce_pp_advantages``), so without a KL every
+    token of a trajectory has the same advantage and long trajectories weigh more in the
+    batch mean. ``baseline`` first subtracts each group's mean reward
     (REINFORCE++-baseline). Errored members take no part and get 0.
     """
     rewards = batch_rewards(groups, shuffle_seed)
-    rows: list[tuple[int, int, float, int]] = []  # group, member, reward, sampled tokens
+    out: list[list[SampleValues]] = [[[0.0] * len(t.samples()) for t in g] for g in groups]
+    rows: list[tuple[int, int, float, list[int], list[float]]] = []
     for g, (group, group_rewards) in enumerate(zip(groups, rewards, strict=True)):
-        valid = [i for i, t in enumerate(group) if t.error is None]
+        valid = [i for i, t in enumerate(group) if t.error is None and t.turns]
         mean = sum(group_rewards[i] for i in valid) / len(valid) if valid else 0.0
         for i in valid:
+            traj = group[i]
+            mask = [m for s in traj.samples() for m in s.loss_mask]
+            kl_row = [x for part in kl[id(traj)] for x in part] if kl else [0.0] * len(mask)
             value = group_rewards[i] - mean if baseline else group_rewards[i]
-            rows.append((g, i, value, max(group[i].num_completion_tokens, 1)))
-    out = [[0.0] * len(g) for g in groups]
+            rows.append((g, i, value, mask, kl_row))
     if not rows:
         return out
-    width = max(n for *_, n in rows)
-    mask = torch.arange(width)[None, :] < torch.tensor([n for *_, n in rows])[:, None]
-    values = torch.tensor([r for _, _, r, _ in rows], dtype=torch.float64)
-    adv = reinforce_pp_advantages(values, mask)[:, 0]
-    for (g, i, _, _), a in zip(rows, adv.tolist(), strict=True):
-        out[g][i] = float(a)
+    width = max(len(mask) for *_, mask, _ in rows)
+    mask_t = torch.zeros(len(rows), width, dtype=torch.bool)
+    kl_t = torch.zeros(len(rows), width, dtype=torch.float64)
+    for r, (*_, mask, kl_row) in enumerate(rows):
+        mask_t[r, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+        kl_t[r, : len(kl_row)] = torch.tensor(kl_row, dtype=torch.float64)
+    values = torch.tensor([v for _, _, v, _, _ in rows], dtype=torch.float64)
+    adv = reinforce_pp_advantages(values, mask_t, kl=kl_t, kl_coef=kl_coef)
+    for r, (g, i, _, mask, _) in enumerate(rows):
+        flat = adv[r, : len(mask)].tolist()
+        pieces: SampleValues = []
+        start = 0
+        for sample in groups[g][i].samples():
+            pieces.append(flat[start : start + len(sample.input_ids)])
+            start += len(sample.input_ids)
+        out[g][i] = pieces
     return out
 
 

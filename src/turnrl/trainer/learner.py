@@ -99,23 +99,38 @@ class Learner:
         ]
         return self.step(chunks)
 
+    def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
+        """The configured KL estimate of each sampled token to the reference policy, one
+        list per sample (0 where nothing was sampled). On-policy, the sampler's log-probs
+        stand for the policy's, so only the reference runs."""
+        if self.ref_model is None:
+            raise ConfigError("a KL in the reward needs algorithm.kl_coef > 0")
+        out: list[list[float]] = []
+        size = self.config.micro_batch_size
+        for s in range(0, len(samples), size):
+            part = samples[s : s + size]
+            mb = pack(part, [0.0] * len(part), pad_id)
+            with torch.no_grad():
+                ref, _ = token_logprobs(
+                    self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
+                    self.temperature,
+                )  # fmt: skip
+            kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
+            kl = torch.where(mb.loss_mask, kl, 0.0)
+            out.extend(kl[i, : len(x.input_ids)].tolist() for i, x in enumerate(part))
+        return out
+
     def step_samples_gae(
-        self, samples: Sequence[Sample], rewards: Sequence[float], pad_id: int
+        self, samples: Sequence[Sample], token_rewards: Sequence[Sequence[float]], pad_id: int
     ) -> dict[str, float]:
-        """PPO: one update from samples and each sample's reward (paid on its last sampled
-        token). The critic scores every sampled token, GAE turns rewards and values into
-        advantages and returns (skipping masked tokens), the policy steps on the (whitened)
-        advantages, then the critic steps on the returns."""
+        """PPO: one update from samples and each sample's per-token rewards (the reward on
+        the last sampled token, a KL penalty on each when it is in the reward). The critic
+        scores every sampled token, GAE turns rewards and values into advantages and
+        returns (skipping masked tokens), the policy steps on the (whitened) advantages,
+        then the critic steps on the returns."""
         if self.critic is None:
             raise ConfigError("step_samples_gae needs algorithm.advantage = 'gae'")
         cfg = self.config
-        token_rewards: list[list[float]] = []
-        for sample, reward in zip(samples, rewards, strict=True):
-            row = [0.0] * len(sample.input_ids)
-            last = max((i for i, m in enumerate(sample.loss_mask) if m), default=None)
-            if last is not None:
-                row[last] = float(reward)
-            token_rewards.append(row)
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
         size = cfg.micro_batch_size
         chunks = [
@@ -264,7 +279,7 @@ class Learner:
             totals["loss"] += float(loss.detach())
             if cfg.entropy_coef > 0:
                 loss = loss - cfg.entropy_coef * self._reduce(entropy, mb.loss_mask, norms)
-            if self.ref_model is not None:
+            if self.ref_model is not None and cfg.kl_placement == "loss":
                 with torch.no_grad():
                     ref, _ = token_logprobs(
                         self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,

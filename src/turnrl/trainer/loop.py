@@ -41,10 +41,11 @@ from turnrl.trainer.checkpoint import (
 )
 from turnrl.trainer.config import Config
 from turnrl.trainer.credit import (
+    SampleValues,
     batch_rewards,
     gigpo_turn_advantages,
     group_advantages,
-    reinforce_pp_trajectory_advantages,
+    reinforce_pp_sample_advantages,
     token_advantages,
 )
 from turnrl.trainer.learner import Learner
@@ -285,7 +286,8 @@ def _train_step(
         config, step, spec, backend, renderer, limits, sampling
     )
     t1 = time.perf_counter()
-    advantages = _advantages(config, step, groups)
+    kl = _reward_kl(config, learner, groups, backend.pad_id)
+    advantages = _advantages(config, step, groups, kl)
     samples: list[Sample] = []
     sample_adv: list[float | list[float]] = []
     overlong_filter = config.algorithm.overlong_filter
@@ -294,22 +296,15 @@ def _train_step(
         keep = {id(t) for t in trainable(group) if not (overlong_filter and t.truncated)}
         for traj, adv in zip(group, group_adv, strict=True):
             if id(traj) in keep:
-                pieces = traj.samples()
-                samples.extend(pieces)
-                if gae:  # the reward, paid once: on the last sample's last sampled token
-                    assert isinstance(adv, float)
-                    sample_adv.extend([0.0] * (len(pieces) - 1) + [adv])
-                elif isinstance(adv, float):
-                    sample_adv.extend([adv] * len(pieces))
-                else:
-                    sample_adv.extend(token_advantages(traj, adv))
+                samples.extend(traj.samples())
+                sample_adv.extend(adv)
     row: Row = {"step": step + 1, **rollout_metrics(all_groups), **selection}
     row["rollout/dropped_errors"] = float(sum(t.error is not None for g in groups for t in g))
     if overlong_filter:
         row["select/truncated_excluded"] = float(sum(t.truncated for g in groups for t in g))
     if samples:
-        if gae:
-            rewards = [float(a) for a in sample_adv if isinstance(a, float)]
+        if gae:  # GAE's "advantages" are token rewards; the learner's critic does the rest
+            rewards = [a for a in sample_adv if isinstance(a, list)]
             row.update(learner.step_samples_gae(samples, rewards, backend.pad_id))
         else:
             row.update(learner.step_samples(samples, sample_adv, backend.pad_id))
@@ -328,7 +323,8 @@ def _train_step(
         if g >= config.log_groups:
             break
         for traj, adv in zip(group, group_adv, strict=True):
-            line = {"step": step + 1, "group": g, "advantage": adv, **traj.to_json()}
+            summary = None if gae else _mean_sampled(traj, adv)
+            line = {"step": step + 1, "group": g, "advantage": summary, **traj.to_json()}
             traj_out.write(json.dumps(line) + "\n")
     traj_out.flush()
     return row
@@ -407,28 +403,96 @@ _EXTRA_TASKS = 10**9
 """Task indices of dynamic sampling's extra rounds start here, away from the main stream."""
 
 
+def _reward_kl(
+    config: Config, learner: Learner, groups: Sequence[Sequence[Trajectory]], pad_id: int
+) -> dict[int, list[list[float]]]:
+    """With ``kl_placement = "reward"``: each trainable trajectory's per-sample, per-token
+    KL to the reference (keyed by ``id``), recorded as the ``kl_penalty`` reward component.
+    Sequence-level estimators pay the summed penalty in the reward itself; token-level ones
+    (REINFORCE++, GAE) pay it token by token. Empty otherwise."""
+    algo = config.algorithm
+    if algo.kl_placement != "reward" or algo.kl_coef == 0:
+        return {}
+    trajectories = [t for g in groups for t in trainable(g)]
+    samples = [s for t in trajectories for s in t.samples()]
+    per_sample = iter(learner.reference_kl(samples, pad_id))
+    token_level = algo.advantage in ("reinforce_pp", "reinforce_pp_baseline", "gae")
+    out: dict[int, list[list[float]]] = {}
+    for traj in trajectories:
+        kl = [next(per_sample) for _ in traj.samples()]
+        penalty = -algo.kl_coef * sum(map(sum, kl))
+        traj.reward_components["kl_penalty"] = penalty
+        if not token_level:
+            traj.reward += penalty
+        out[id(traj)] = kl
+    return out
+
+
 def _advantages(
-    config: Config, step: int, groups: Sequence[Sequence[Trajectory]]
-) -> Sequence[Sequence[float | list[float]]]:
-    """One advantage per trajectory, or (GiGPO) one per turn of each trajectory; for GAE
-    the (possibly shuffled) rewards, which the learner's critic turns into advantages."""
+    config: Config,
+    step: int,
+    groups: Sequence[Sequence[Trajectory]],
+    kl: dict[int, list[list[float]]],
+) -> list[list[SampleValues]]:
+    """What each sample of each trajectory trains on: one advantage per sample, or one
+    per token (GiGPO's per-turn values, REINFORCE++'s per-token returns); for GAE the token
+    rewards, which the learner's critic turns into advantages. ``[group][member][sample]``.
+    """
     algo = config.algorithm
     shuffle = _shuffle_seed(config, step)
     if algo.advantage == "gigpo":
-        return gigpo_turn_advantages(
+        turns = gigpo_turn_advantages(
             groups, gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, shuffle_seed=shuffle
         )
+        return [
+            [list(token_advantages(t, v)) for t, v in zip(g, gv, strict=True)]
+            for g, gv in zip(groups, turns, strict=True)
+        ]
+    if algo.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_sample_advantages(
+            groups, baseline=algo.advantage == "reinforce_pp_baseline", shuffle_seed=shuffle,
+            kl=kl or None, kl_coef=algo.kl_coef if kl else 0.0,
+        )  # fmt: skip
     if algo.advantage == "gae":
         rewards = batch_rewards(groups, shuffle)
         return [
-            [r if t.error is None else 0.0 for t, r in zip(g, rg, strict=True)]
+            [_token_rewards(t, r, kl.get(id(t)), algo.kl_coef) for t, r in zip(g, rg, strict=True)]
             for g, rg in zip(groups, rewards, strict=True)
         ]
-    if algo.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
-        return reinforce_pp_trajectory_advantages(
-            groups, baseline=algo.advantage == "reinforce_pp_baseline", shuffle_seed=shuffle
-        )
-    return group_advantages(groups, shuffle_seed=shuffle, estimator=algo.advantage)
+    values = group_advantages(groups, shuffle_seed=shuffle, estimator=algo.advantage)
+    return [
+        [[a] * len(t.samples()) for t, a in zip(g, gv, strict=True)]
+        for g, gv in zip(groups, values, strict=True)
+    ]
+
+
+def _token_rewards(
+    traj: Trajectory, reward: float, kl: list[list[float]] | None, kl_coef: float
+) -> SampleValues:
+    """Per-token rewards of each sample: the reward on the last sampled token of the last
+    sample, minus ``kl_coef`` x the KL on every sampled token when the KL is in the reward."""
+    out: SampleValues = []
+    pieces = traj.samples()
+    for k, sample in enumerate(pieces):
+        row = [-kl_coef * x for x in kl[k]] if kl else [0.0] * len(sample.input_ids)
+        if k == len(pieces) - 1 and traj.error is None:
+            last = max((i for i, m in enumerate(sample.loss_mask) if m), default=None)
+            if last is not None:
+                row[last] += reward
+        out.append(row)
+    return out
+
+
+def _mean_sampled(traj: Trajectory, values: SampleValues) -> float | None:
+    """One number per trajectory for trajectories.jsonl: its mean advantage over sampled
+    tokens."""
+    total, count = 0.0, 0
+    for sample, value in zip(traj.samples(), values, strict=True):
+        for i, m in enumerate(sample.loss_mask):
+            if m:
+                total += value if isinstance(value, float) else value[i]
+                count += 1
+    return total / count if count else None
 
 
 def _shuffle_seed(config: Config, step: int) -> int | None:
