@@ -6,7 +6,9 @@ with the cache. Each request has its own seed, so a sample does not depend on wh
 requests shared its batch. Log-probabilities are those of the distribution each token was
 drawn from (temperature applied, before top-p), which is what the learner recomputes.
 
-Not here: continuous batching and prefix reuse across turns (a later engine).
+Across turns, an episode's history is not encoded again: after each call the keys and
+values of every row are kept (``PrefixCache``, valid for one policy version), and a later
+request that extends a kept sequence runs only its new tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
+from turnrl.backends.prefix_cache import LayerKV, PrefixCache
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
 MIN_SHARED_PREFIX = 8
@@ -31,7 +35,15 @@ class TorchBackend:
     and ``policy_version`` is bumped by the trainer after each optimizer step.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int = 256) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch_size: int = 256,
+        reuse_history: bool = True,
+        max_cached_tokens: int = 1 << 20,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -40,6 +52,79 @@ class TorchBackend:
         self.pad_id: int = int(pad if pad is not None else tokenizer.eos_token_id)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._lock = threading.Lock()
+        self.prefix_cache = PrefixCache(max_cached_tokens) if reuse_history else None
+
+    def _share(
+        self, requests: Sequence[GenerationRequest], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
+        """Prefill inputs when no history is cached: the batch's common prompt prefix
+        (system prompt, tools, often a group's whole question) runs once and its cache is
+        repeated for every row. Layout: [shared prefix][left padding][rest of the prompt]."""
+        B = len(requests)
+        shared = _common_prefix([r.prompt_ids for r in requests]) if B > 1 else 0
+        if shared < MIN_SHARED_PREFIX:
+            shared = 0
+        input_ids, attn = _padded(requests, [shared] * B, self.pad_id, shared)
+        attn[:, :shared] = 1
+        past = None
+        if shared:
+            head = self.model(
+                input_ids=torch.tensor([requests[0].prompt_ids[:shared]], device=device),
+                use_cache=True,
+            )
+            past = head.past_key_values
+            past.batch_repeat_interleave(B)
+        return input_ids.to(device), attn.to(device), past, shared
+
+    def _reuse(
+        self,
+        requests: Sequence[GenerationRequest],
+        hits: Sequence[tuple[int, list[LayerKV]] | None],
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
+        """Prefill inputs when some rows continue a cached history. Layout: [left padding]
+        [row's cached tokens] [left padding][row's new tokens]; only the new tokens run.
+        Rows without a hit have an empty cached part."""
+        B = len(requests)
+        cached = [h[0] if h is not None else 0 for h in hits]
+        width = max(cached)
+        input_ids, attn = _padded(requests, cached, self.pad_id, width)
+        layers = next(h[1] for h in hits if h is not None)
+        past = DynamicCache()
+        for layer, (k0, v0) in enumerate(layers):
+            keys = k0.new_zeros((B, k0.shape[0], width, k0.shape[2]))
+            values = v0.new_zeros((B, v0.shape[0], width, v0.shape[2]))
+            for i, h in enumerate(hits):
+                if h is not None:
+                    n = h[0]
+                    keys[i, :, width - n :] = h[1][layer][0]
+                    values[i, :, width - n :] = h[1][layer][1]
+            past.update(keys, values, layer)
+        for i, n in enumerate(cached):
+            attn[i, width - n : width] = 1
+        return input_ids.to(device), attn.to(device), past, width
+
+    def _store(
+        self,
+        requests: Sequence[GenerationRequest],
+        tokens: Sequence[Sequence[int]],
+        past: Any,
+        attn: torch.Tensor,
+    ) -> None:
+        """Keep each row's keys and values (the real positions of the batch cache: its
+        prompt and every sampled token that was fed back, i.e. all but the last)."""
+        assert self.prefix_cache is not None
+        kept = attn[:, : past.get_seq_length()].bool()
+        for i, (r, out) in enumerate(zip(requests, tokens, strict=True)):
+            seq = (*r.prompt_ids, *out[:-1])
+            rows = kept[i].nonzero().squeeze(-1)
+            if len(rows) != len(seq):  # not the expected layout: do not guess
+                continue
+            layers = [
+                (layer.keys[i][:, rows].clone(), layer.values[i][:, rows].clone())
+                for layer in past.layers
+            ]
+            self.prefix_cache.put(seq, layers)
 
     def _stop_strings(
         self, requests: Sequence[GenerationRequest], tokens: torch.Tensor, lengths: torch.Tensor
@@ -83,30 +168,15 @@ class TorchBackend:
         lengths = [len(r.prompt_ids) for r in requests]
         if min(lengths) == 0:
             raise ValueError("a generation request has an empty prompt")
-        shared = _common_prefix([r.prompt_ids for r in requests]) if B > 1 else 0
-        if shared < MIN_SHARED_PREFIX:
-            shared = 0
-        # Layout: [shared prefix][left padding][rest of the prompt]; every row's last prompt
-        # token sits in the last column. The shared prefix (system prompt, tools, often the
-        # whole question of a group) is computed once and its cache repeated for each row.
-        L = max(lengths) - shared
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, shared + L), dtype=torch.long)
-        attn[:, :shared] = 1
-        for i, r in enumerate(requests):
-            n = lengths[i] - shared
-            input_ids[i, L - n :] = torch.tensor(r.prompt_ids[shared:], dtype=torch.long)
-            attn[i, shared + L - n :] = 1
-        input_ids, attn = input_ids.to(device), attn.to(device)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, shared:]
-        past = None
-        if shared:
-            head = self.model(
-                input_ids=torch.tensor([requests[0].prompt_ids[:shared]], device=device),
-                use_cache=True,
-            )
-            past = head.past_key_values
-            past.batch_repeat_interleave(B)
+        hits: list[tuple[int, list[LayerKV]] | None] = [None] * B
+        if self.prefix_cache is not None:
+            self.prefix_cache.sync(self.policy_version)
+            hits = [self.prefix_cache.longest_prefix(r.prompt_ids) for r in requests]
+        if any(h is not None for h in hits):
+            input_ids, attn, past, cached = self._reuse(requests, hits, device)
+        else:
+            input_ids, attn, past, cached = self._share(requests, device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, cached:]
 
         # Each request draws its uniforms from its own seed: a sample does not depend on
         # which other requests share the batch. Inverse-CDF sampling, vectorised over rows.
@@ -163,6 +233,8 @@ class TorchBackend:
 
         n_out = lengths_out.tolist()
         tokens = [out_tokens[i, : n_out[i]].tolist() for i in range(B)]
+        if self.prefix_cache is not None:
+            self._store(requests, tokens, past, attn)
         logps = [out_logps[i, : n_out[i]].tolist() for i in range(B)]
         finish: list[FinishReason] = ["stop" if s else "length" for s in stopped.tolist()]
         return [
@@ -174,6 +246,21 @@ class TorchBackend:
             )
             for i in range(B)
         ]
+
+
+def _padded(
+    requests: Sequence[GenerationRequest], starts: Sequence[int], pad_id: int, head: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt from ``starts[i]`` on, left-padded into ``[B, L]`` ids, and a ``[B, head
+    + L]`` attention mask whose first ``head`` columns are left for the caller to fill."""
+    rest = [len(r.prompt_ids) - s for r, s in zip(requests, starts, strict=True)]
+    width = max(rest)
+    input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(requests), head + width), dtype=torch.long)
+    for i, (r, s, n) in enumerate(zip(requests, starts, rest, strict=True)):
+        input_ids[i, width - n :] = torch.tensor(r.prompt_ids[s:], dtype=torch.long)
+        attn[i, head + width - n :] = 1
+    return input_ids, attn
 
 
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
