@@ -203,7 +203,9 @@ def test_a_resumed_monitor_continues_the_same_alarms() -> None:
 def test_monitor_config_errors_are_clear() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'monitor.actoin'.*'action'"):
         load_config(None, ["monitor.actoin=stop"])
-    with pytest.raises(ConfigError, match=r"monitor.action must be one of \['none', 'stop'\]"):
+    with pytest.raises(
+        ConfigError, match=r"monitor.action must be one of \['none', 'stop', 'filter'\]"
+    ):
         load_config(None, ["monitor.action=pause"])
     with pytest.raises(ConfigError, match=r"monitor.warmup_steps must be > monitor.window"):
         load_config(None, ["monitor.warmup_steps=5"])
@@ -253,3 +255,16 @@ def test_without_an_action_alarms_are_recorded_and_the_run_goes_on(
     said = [r.getMessage() for r in caplog.records if "alarm entropy_jump" in r.getMessage()]
     assert len(said) == 1  # printed once, though its condition holds at step 3 too
     assert "at step 2: loss/entropy" in said[0]
+
+
+def test_alarm_action_filter_switches_on_variance_filtering(tmp_path: Path) -> None:
+    options = [
+        *SMALL, "steps=4", "rollout.prompts_per_step=4", "monitor.action=filter",
+        "monitor.filter_keep=0.5", *TINY_THRESHOLD,
+    ]  # fmt: skip
+    result = train(load_config(None, options), tmp_path / "run", progress=False)
+    assert [(a.name, a.step) for a in result.alarms] == [("entropy_jump", 2)]
+    kept = {r["step"]: r.get("select/variance_groups_kept") for r in result.rows if r["step"]}
+    assert kept == {1: None, 2: None, 3: 2.0, 4: 2.0}  # from the step after the alarm on
+    with pytest.raises(ConfigError, match=r"monitor.filter_keep must be in \(0, 1\)"):
+        load_config(None, ["monitor.filter_keep=1"])

@@ -214,9 +214,12 @@ class MonitorConfig:
     level; the fields below are the thresholds of those comparisons.
     """
 
-    action: Literal["none", "stop"] = "none"
+    action: Literal["none", "stop", "filter"] = "none"
     """What an alarm does besides being printed and logged: ``stop`` saves a checkpoint and
-    ends the run after the step that raised it."""
+    ends the run after the step that raised it; ``filter`` switches on StarPO-S variance
+    filtering (``filter_keep``) for the rest of the run, if it is not on already."""
+    filter_keep: float = 0.5
+    """With ``action = "filter"``: the top fraction of groups by reward std kept."""
     warmup_steps: int = 20
     """No alarm before a metric has this many values (early steps are unrepresentative)."""
     window: int = 10
@@ -257,6 +260,7 @@ class MonitorConfig:
                 "monitor.warmup_steps must be > monitor.window (the baseline needs values)",
             ),
             (self.cooldown_steps >= 0, "monitor.cooldown_steps must be >= 0"),
+            (0.0 < self.filter_keep < 1.0, "monitor.filter_keep must be in (0, 1)"),
             (0.0 < self.reward_std_frac < 1.0, "monitor.reward_std_frac must be in (0, 1)"),
             (0.0 < self.zero_variance_rise <= 1, "monitor.zero_variance_rise must be in (0, 1]"),
             (0.0 < self.entropy_frac < 1.0, "monitor.entropy_frac must be in (0, 1)"),

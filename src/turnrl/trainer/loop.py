@@ -10,6 +10,7 @@ Everything a run produces goes into its run directory (DESIGN.md "The main job")
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -173,11 +174,16 @@ def train(
             total=config.steps,
         )  # fmt: skip
         started = time.perf_counter()
+        active = config  # what the steps run with: an alarm may switch on variance filtering
+        if checkpoint is not None and read_rows(run_dir / "alarms.jsonl"):
+            active = _on_alarm(active, progress)  # the resumed run had raised one already
         for step in bar:
-            row = _train_step(config, step, spec, backend, learner, renderer, limits,
+            row = _train_step(active, step, spec, backend, learner, renderer, limits,
                               sampling, traj_out)  # fmt: skip
             alarms = monitor.update(row)
             stop = bool(alarms) and config.monitor.action == "stop"
+            if alarms:
+                active = _on_alarm(active, progress)
             done = step + 1
             out_of_time = (
                 config.max_minutes > 0 and time.perf_counter() - started > 60 * config.max_minutes
@@ -328,6 +334,18 @@ def _train_step(
             traj_out.write(json.dumps(line) + "\n")
     traj_out.flush()
     return row
+
+
+def _on_alarm(config: Config, progress: bool) -> Config:
+    """With ``monitor.action = "filter"``, the configuration from the next step on:
+    StarPO-S variance filtering at ``monitor.filter_keep`` (unchanged if already on)."""
+    if config.monitor.action != "filter" or config.algorithm.variance_filter_keep < 1.0:
+        return config
+    keep = config.monitor.filter_keep
+    _say(f"variance filtering on (keep the top {keep:.0%} of groups): monitor.action = filter",
+         progress)  # fmt: skip
+    algorithm = dataclasses.replace(config.algorithm, variance_filter_keep=keep)
+    return dataclasses.replace(config, algorithm=algorithm)
 
 
 def _extra(learner: Learner) -> dict[str, Any] | None:
