@@ -31,6 +31,8 @@ class Env(Protocol):
     ``reset`` returns the opening messages; ``step`` takes the model's text for one turn.
     ``tool_schemas`` lists the tools for chat templates that render them (empty if none);
     ``stop_strings`` is text that ends a model turn (the call format's, often empty).
+    An env holding resources (a sandbox, a server session) may also define ``async def
+    close()``; the rollout calls it once when the episode ends, however it ends.
     """
 
     async def reset(self, task: Task, seed: int) -> list[Message]: ...

@@ -79,6 +79,9 @@ class ToolCallRecord:
     latency_s: float
     ok: bool
     error: str | None = None
+    isolated: bool | None = None
+    """For code-running tools: True in an isolating sandbox, False in the rlimit-only
+    fallback (which does not isolate); None for tools that run no untrusted code."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ is an observation too (DESIGN.md invariant 4).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from turnrl.formats import error_observation
@@ -25,8 +26,11 @@ class ToolEnv:
     """A multi-turn tool-use episode. Make one instance per episode.
 
     ``tools`` is a ToolSet, or a function building one from the task (tools that close over
-    per-task state). ``max_tool_calls`` bounds calls per episode; beyond it a call gets an
-    error observation instead of running.
+    per-task state). ``max_tool_calls`` bounds calls per episode and
+    ``max_calls_per_turn`` calls in one turn; a call beyond a budget gets an error
+    observation instead of running (recorded with error ``"budget"``). The calls of one
+    turn run concurrently; their results come back in the order they were made.
+    ``close`` releases the tools' resources (the rollout calls it when the episode ends).
     """
 
     def __init__(
@@ -37,12 +41,14 @@ class ToolEnv:
         *,
         system_prompt: str | None = None,
         max_tool_calls: int | None = None,
+        max_calls_per_turn: int | None = None,
     ) -> None:
         self._tools_for = tools if callable(tools) else (lambda _task: tools)
         self.format = format
         self.verifier = verifier
         self.system_prompt = system_prompt
         self.max_tool_calls = max_tool_calls
+        self.max_calls_per_turn = max_calls_per_turn
         self.task: Task | None = None
         self.tools = ToolSet([])
         self.num_tool_calls = 0
@@ -80,19 +86,40 @@ class ToolEnv:
         return StepResult(reward=verdict.reward, terminated=True, info=info)
 
     async def _run_calls(self, calls: tuple[ToolCall, ...]) -> StepResult:
-        results: list[tuple[ToolCall, str]] = []
-        records: list[ToolCallRecord] = []
-        for call in calls:
-            if self.max_tool_calls is not None and self.num_tool_calls >= self.max_tool_calls:
-                text = f"Error: tool budget exhausted ({self.max_tool_calls} calls per episode); answer now."
-                records.append(
-                    ToolCallRecord(call.name, dict(call.arguments), 0.0, False, "budget")
-                )
-            else:
-                result, record = await self.tools.run(call)
-                text = result.content if result.ok else f"Error: {result.error}"
-                records.append(record)
-            self.num_tool_calls += 1
-            results.append((call, text))
-        observation = tuple(self.format.render_results(results))
-        return StepResult(observation=observation, info={"tool_calls": records})
+        jobs: list[Awaitable[tuple[str, ToolCallRecord]]] = []
+        for k, call in enumerate(calls):
+            refusal = self._over_budget(k)
+            jobs.append(self._refuse(call, refusal) if refusal else self._call(call))
+            self.num_tool_calls += refusal is None  # a refused call does not spend budget
+        done = await asyncio.gather(*jobs)
+        observation = tuple(
+            self.format.render_results(
+                [(c, text) for c, (text, _) in zip(calls, done, strict=True)]
+            )
+        )
+        return StepResult(observation=observation, info={"tool_calls": [r for _, r in done]})
+
+    def _over_budget(self, index_in_turn: int) -> str | None:
+        if self.max_tool_calls is not None and self.num_tool_calls >= self.max_tool_calls:
+            return (
+                f"Error: tool budget exhausted ({self.max_tool_calls} calls per episode); "
+                "answer now."
+            )
+        if self.max_calls_per_turn is not None and index_in_turn >= self.max_calls_per_turn:
+            return (
+                f"Error: too many calls in one turn (at most {self.max_calls_per_turn}); "
+                "this call did not run."
+            )
+        return None
+
+    async def _call(self, call: ToolCall) -> tuple[str, ToolCallRecord]:
+        result, record = await self.tools.run(call)
+        return (result.content if result.ok else f"Error: {result.error}"), record
+
+    @staticmethod
+    async def _refuse(call: ToolCall, text: str) -> tuple[str, ToolCallRecord]:
+        return text, ToolCallRecord(call.name, dict(call.arguments), 0.0, False, "budget")
+
+    async def close(self) -> None:
+        """Release the episode's tools (sandboxes, sessions); safe to call twice."""
+        await self.tools.close()

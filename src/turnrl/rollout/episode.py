@@ -70,7 +70,10 @@ async def run_episode(
     sample_index: int = 0,
     policy_version: int = 0,
 ) -> Trajectory:
-    """Play one episode of ``task`` in ``env`` and return its token-exact trajectory."""
+    """Play one episode of ``task`` in ``env`` and return its token-exact trajectory.
+
+    When the episode ends, however it ends, the env's ``close()`` runs if it has one.
+    """
     traj = Trajectory(task_id=task.id, sample_index=sample_index, policy_version=policy_version)
     try:
         await _play(traj, env, task, generate, renderer, limits, sampling, seed)
@@ -78,7 +81,21 @@ async def run_episode(
         traj.error = f"{type(exc).__name__}: {exc}"
         traj.info["traceback"] = traceback.format_exc(limit=8)
         _end(traj, "error", truncated=False)
+    finally:
+        await _close(env, traj)
     return traj
+
+
+async def _close(env: Env, traj: Trajectory) -> None:
+    """Let the env release its tools (an optional ``close`` coroutine method). A failure
+    to close is recorded on the trajectory, not raised: the episode's data stands."""
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception as exc:
+        traj.info["close_error"] = f"{type(exc).__name__}: {exc}"
 
 
 def _end(traj: Trajectory, reason: StopReason, *, truncated: bool) -> None:

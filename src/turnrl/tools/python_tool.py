@@ -351,6 +351,7 @@ def python_tool(interpreter: PythonInterpreter, *, name: str = "python") -> Tool
         description=description,
         timeout_s=None,
         max_output_chars=interpreter.max_output_chars + _NOTICE_ROOM,
+        isolated=interpreter.isolated,
     )
 
 

@@ -16,7 +16,7 @@ import time
 import types
 import typing
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -54,6 +54,8 @@ class Tool:
     result is dropped). ``max_concurrency`` bounds simultaneous calls per event loop (None:
     unlimited). Output longer than ``max_output_chars`` is cut with a visible marker.
     Calling the tool object directly calls the plain function (handy in unit tests).
+    ``isolated`` says whether the tool runs untrusted code in an isolating sandbox (True),
+    in a non-isolating fallback (False), or runs none (None); calls record it.
     """
 
     fn: Callable[..., Any]
@@ -63,6 +65,7 @@ class Tool:
     timeout_s: float | None = 10.0
     max_concurrency: int | None = None
     max_output_chars: int = 4000
+    isolated: bool | None = None
     # A semaphore belongs to one event loop; each asyncio.run() gets its own.
     _semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
@@ -91,6 +94,7 @@ class Tool:
         timeout_s: float | None = 10.0,
         max_concurrency: int | None = None,
         max_output_chars: int = 4000,
+        isolated: bool | None = None,
     ) -> Tool:
         """Build a tool whose schema comes from ``fn``'s annotations and docstring."""
         doc_description, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
@@ -102,6 +106,7 @@ class Tool:
             timeout_s=timeout_s,
             max_concurrency=max_concurrency,
             max_output_chars=max_output_chars,
+            isolated=isolated,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -239,9 +244,19 @@ def tool(
 
 
 class ToolSet:
-    """The tools of one environment, ordered, by unique name; runs parsed calls."""
+    """The tools of one environment, ordered, by unique name; runs parsed calls.
 
-    def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()) -> None:
+    ``on_close`` are async callables that release what the tools hold (a sandboxed
+    interpreter, a server session); ``close`` runs each once, at the end of the episode.
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Tool | Callable[..., Any]] = (),
+        *,
+        on_close: Iterable[Callable[[], Awaitable[None]]] = (),
+    ) -> None:
+        self._on_close = list(on_close)
         self._tools: dict[str, Tool] = {}
         for item in tools:
             t = item if isinstance(item, Tool) else Tool.from_function(item)
@@ -275,9 +290,23 @@ class ToolSet:
         else:
             result = await found.invoke(call.arguments)
         record = ToolCallRecord(
-            call.name, dict(call.arguments), result.latency_s, result.ok, result.error
-        )
+            call.name, dict(call.arguments), result.latency_s, result.ok, result.error,
+            isolated=found.isolated if found is not None else None,
+        )  # fmt: skip
         return result, record
+
+    async def close(self) -> None:
+        """Release the tools' resources; later calls to ``close`` do nothing. Every
+        callback runs even if one fails; the first failure is raised after all ran."""
+        callbacks, self._on_close = self._on_close, []
+        failure: BaseException | None = None
+        for callback in callbacks:
+            try:
+                await callback()
+            except Exception as exc:  # keep closing the others
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
