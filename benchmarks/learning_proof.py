@@ -71,13 +71,16 @@ def run_one(
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| run | chance | start | final | best | steps | minutes to 90% | wall minutes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | chance | start | final | best | mean of evals | steps | minutes to 90% "
+        "| wall minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        values = [v for _, _, v in r["curve"]]
         lines.append(
             f"| {r['label']} | {r['chance']:.3f} | {r['start_success']:.3f} | "
-            f"{r['final_success']:.3f} | {r['best_success']:.3f} | {r['steps']} | "
+            f"{r['final_success']:.3f} | {r['best_success']:.3f} | "
+            f"{sum(values) / len(values):.3f} | {r['steps']} | "
             f"{r['minutes_to_90'] if r['minutes_to_90'] is not None else 'not reached'} | "
             f"{r['wall_minutes']} |"
         )
