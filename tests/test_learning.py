@@ -19,13 +19,14 @@ from turnrl.trainer.loop import train
 @pytest.mark.learning
 def test_rl_learns_the_secret_lookup_probe(tmp_path: Path) -> None:
     config = load_config(
-        "learning_proof",
+        "quickstart",
         [
-            "seed=1",
-            "steps=120",
-            "threads=2",  # fixed, so the run is the same on any machine with this torch
+            "seed=2",  # the demo's seed; benchmarks/learning_proof.py covers seeds 0-2
+            "steps=150",
+            "max_minutes=0",  # a step budget, not a time budget: the same run everywhere
+            "threads=2",  # fixed too: the thread count changes float rounding
             "save_every=1000",
-            "eval.every=20",
+            "eval.every=10",
             "eval.num_tasks=64",
         ],
     )
