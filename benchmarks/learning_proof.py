@@ -16,8 +16,6 @@ Writes benchmarks/results/learning_proof.json and .md (a table and the curves).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
 import multiprocessing
 import platform
 import shutil
@@ -27,6 +25,14 @@ from typing import Any
 
 import torch
 
+from training_runs import (
+    curve_lines,
+    eval_curve,
+    first_reaching,
+    run_side_by_side,
+    threads_per_job,
+    write_results,
+)
 from turnrl.envs import make_env_spec
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
@@ -45,12 +51,8 @@ def run_one(
     t0 = time.perf_counter()
     result = train(config, run_dir, progress=False)
     wall = time.perf_counter() - t0
-    curve = [
-        (int(r["step"]), float(r.get("perf/elapsed_s", 0.0)), float(r["eval/success_mean"]))
-        for r in result.rows
-        if "eval/success_mean" in r
-    ]
-    reached = next(((s, t) for s, t, v in curve if v >= 0.9), None)
+    curve = eval_curve(result.rows)
+    reached = first_reaching(curve, 0.9)
     chance = make_env_spec(config.env.name, **config.env.options).chance  # type: ignore[attr-defined]
     return {
         "label": label,
@@ -105,37 +107,28 @@ def main() -> None:
             ("control-shuffled-rewards", ["seed=0", "algorithm.control=shuffled_rewards"]),
             ("control-no-tools", ["seed=0", "env.tools_enabled=false"]),
         ]
-    threads = max(1, (multiprocessing.cpu_count() // args.jobs)) if args.jobs > 1 else 0
-    results: list[dict[str, Any]] = []
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        futures = [
-            pool.submit(run_one, label, overrides, args.minutes, runs, threads)
-            for label, overrides in plan
-        ]
-        for future in futures:
-            results.append(future.result())
-            print(table(results[-1:]), flush=True)
+    threads = threads_per_job(args.jobs)
+    results = run_side_by_side(
+        run_one,
+        [(label, overrides, args.minutes, runs, threads) for label, overrides in plan],
+        args.jobs,
+        lambda r: print(table([r]), flush=True),
+    )
     meta = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"{platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores",
         "torch": torch.__version__,
         "budget_minutes": args.minutes,
         "jobs": args.jobs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "runs": results}, indent=2))
     md = [
         f"# Learning proof ({meta['date']}, {meta['machine']}, {args.jobs} run(s) at a time)",
         "",
         table(results),
         "",
+        *curve_lines(results, "label"),
     ]
-    for r in results:
-        points = ", ".join(f"{s}:{v:.2f}" for s, _, v in r["curve"])
-        md.append(f"- {r['label']} (step:held-out success): {points}")
-    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(args.out, meta, results, md)
     print(table(results))
 
 

@@ -14,8 +14,6 @@ Writes benchmarks/results/presets.json and .md.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
 import multiprocessing
 import platform
 import shutil
@@ -25,6 +23,7 @@ from typing import Any
 
 import torch
 
+from training_runs import curve_lines, eval_curve, first_reaching, run_side_by_side, write_results
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
@@ -59,12 +58,8 @@ def run_preset(
     t0 = time.perf_counter()
     result = train(config, run_dir, progress=False)
     wall = time.perf_counter() - t0
-    curve = [
-        (int(r["step"]), float(r.get("perf/elapsed_s", 0.0)), float(r["eval/success_mean"]))
-        for r in result.rows
-        if "eval/success_mean" in r
-    ]
-    reached = next(((s, t) for s, t, v in curve if v >= 0.8), None)
+    curve = eval_curve(result.rows)
+    reached = first_reaching(curve, 0.8)
     return {
         "preset": name,
         "start_success": curve[0][2],
@@ -104,16 +99,12 @@ def main() -> None:
     runs = ROOT / "runs"
     start = warmup_checkpoint(runs, args.seed)
     threads = max(1, multiprocessing.cpu_count() // args.jobs)
-    context = multiprocessing.get_context("spawn")
-    results: list[dict[str, Any]] = []
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        futures = [
-            pool.submit(run_preset, name, start, args.seed, args.minutes, runs, threads)
-            for name in args.presets
-        ]
-        for future in futures:
-            results.append(future.result())
-            print(table(results[-1:]), flush=True)
+    results = run_side_by_side(
+        run_preset,
+        [(name, start, args.seed, args.minutes, runs, threads) for name in args.presets],
+        args.jobs,
+        lambda r: print(table([r]), flush=True),
+    )
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
@@ -122,16 +113,11 @@ def main() -> None:
         "budget_minutes": args.minutes,
         "seed": args.seed,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "runs": results}, indent=2))
     md = [f"# Presets on the secret-lookup probe ({meta['date']}, {meta['machine']})", ""]
     md += [f"Budget: {args.minutes} minutes of RL per preset, seed {args.seed}, from one "
            "warm-up checkpoint; held-out success on 128 tasks (chance 0.083).", ""]  # fmt: skip
-    md += [table(results), ""]
-    for r in results:
-        points = ", ".join(f"{s}:{v:.2f}" for s, _, v in r["curve"])
-        md.append(f"- {r['preset']} (step:held-out success): {points}")
-    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    md += [table(results), "", *curve_lines(results, "preset")]
+    write_results(args.out, meta, results, md)
     print(table(results))
 
 
