@@ -28,6 +28,7 @@ from turnrl.envs.games.grid import (
     Cell,
     Direction,
     IllegalMove,
+    grid_corpus,
     latest_board,
     move_call,
     neighbour,
@@ -196,12 +197,7 @@ class FrozenLake:
 
     def corpus(self) -> list[str]:
         """Prompts, maps and calls, for a tiny tokenizer."""
-        lines = [move_call(d) for d in DIRECTIONS] * 20
-        for i in range(40):
-            task = self.task(i, "corpus")
-            lines.append(task.prompt[0]["content"])
-            lines += task.metadata["rows"]
-        return lines
+        return grid_corpus(self.task, "rows")
 
     def _exact(self, *, best: bool) -> float:
         horizon = min(self.max_moves, self.max_turns)

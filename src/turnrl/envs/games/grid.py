@@ -4,11 +4,11 @@ board back out of a conversation (the oracles read the same text the model reads
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from turnrl.formats import get_format
-from turnrl.types import Message, ToolCall
+from turnrl.types import Message, Task, ToolCall
 
 Direction = Literal["up", "down", "left", "right"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down", "left", "right")
@@ -51,6 +51,17 @@ def random_moves(rng: random.Random, turns: int) -> list[str]:
     the call format with random content (grammar, not the solution); replayed, it is the
     random policy."""
     return [move_call(rng.choice(DIRECTIONS)) for _ in range(turns)]
+
+
+def grid_corpus(task: Callable[[int, str], Task], grid_key: str) -> list[str]:
+    """Text for a tiny tokenizer of a move game: every move call, and the prompts and grids
+    (``task.metadata[grid_key]``, one string per row) of 40 tasks of a "corpus" split."""
+    lines = [move_call(d) for d in DIRECTIONS] * 20
+    for i in range(40):
+        sample = task(i, "corpus")
+        lines.append(sample.prompt[0]["content"])
+        lines += sample.metadata[grid_key]
+    return lines
 
 
 def where(cell: Cell) -> str:

@@ -20,6 +20,7 @@ from turnrl.envs.games.game_env import GameEnv, Outcome
 from turnrl.envs.games.grid import (
     DIRECTIONS,
     Direction,
+    grid_corpus,
     latest_board,
     move_call,
     random_moves,
@@ -105,12 +106,7 @@ class Sokoban:
 
     def corpus(self) -> list[str]:
         """Prompts, boards and calls, for a tiny tokenizer."""
-        lines = [move_call(d) for d in DIRECTIONS] * 20
-        for i in range(40):
-            task = self.task(i, "corpus")
-            lines.append(task.prompt[0]["content"])
-            lines += task.metadata["board"]
-        return lines
+        return grid_corpus(self.task, "board")
 
     @cached_property
     def chance(self) -> float:
