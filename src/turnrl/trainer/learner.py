@@ -91,13 +91,22 @@ class Learner:
     ) -> dict[str, float]:
         """One update from token-exact samples: micro-batches of similar length, so little
         work is spent on padding; the result equals one update on the whole batch."""
+        return self.step(self._chunks(samples, advantages, pad_id))
+
+    def _chunks(
+        self,
+        samples: Sequence[Sample],
+        per_sample: Sequence[float | Sequence[float]],
+        pad_id: int,
+    ) -> list[Batch]:
+        """Micro-batches of similar-length samples (little padding), each sample with its
+        value(s) from ``per_sample``."""
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
         size = self.config.micro_batch_size
-        chunks = [
-            pack([samples[i] for i in part], [advantages[i] for i in part], pad_id)
+        return [
+            pack([samples[i] for i in part], [per_sample[i] for i in part], pad_id)
             for part in (order[s : s + size] for s in range(0, len(order), size))
         ]
-        return self.step(chunks)
 
     def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
         """The configured KL estimate of each sampled token to the reference policy, one
@@ -131,12 +140,8 @@ class Learner:
         if self.critic is None:
             raise ConfigError("step_samples_gae needs algorithm.advantage = 'gae'")
         cfg = self.config
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
-        size = cfg.micro_batch_size
-        chunks = [
-            pack([samples[i] for i in part], [token_rewards[i] for i in part], pad_id)
-            for part in (order[s : s + size] for s in range(0, len(order), size))
-        ]
+        # Packed with the token rewards in the advantages slot; GAE replaces them below.
+        chunks = self._chunks(samples, token_rewards, pad_id)
         values = [self.critic.values(mb) for mb in chunks]
         gae = [
             gae_advantages(mb.advantages, v, mb.loss_mask, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
