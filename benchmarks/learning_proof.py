@@ -1,7 +1,7 @@
 """The learning proof: the tiny model learns the secret-lookup probe with RL, and the
 controls do not.
 
-For each seed: build the tiny model, run the syntax-only warm-up, then GRPO on the
+For each seed: build the tiny model, run the syntax-only warm-up, then RL (GiGPO credit) on the
 secret-lookup environment within a wall-clock budget; record the held-out success curve.
 Two controls run with the same recipe and budget (seed 0): rewards shuffled across the
 batch, and the lookup tool removed. Chance is 1 / num_values.
@@ -10,6 +10,7 @@ batch, and the lookup tool removed. Chance is 1 / num_values.
     python benchmarks/learning_proof.py --seeds 0 --no-controls --minutes 5
     python benchmarks/learning_proof.py --jobs 2        # two runs side by side, 1 thread each
     python benchmarks/learning_proof.py --seeds --eval-tasks 512   # the controls, 512 tasks
+    python benchmarks/learning_proof.py --seeds --controls no-tools --eval-tasks 512
 
 Writes benchmarks/results/learning_proof.json and .md (a table and the curves).
 """
@@ -39,6 +40,12 @@ from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
 ROOT = Path(__file__).resolve().parent
+
+
+CONTROLS = {
+    "shuffled-rewards": ["seed=0", "algorithm.control=shuffled_rewards"],
+    "no-tools": ["seed=0", "env.tools_enabled=false"],
+}
 
 
 def run_one(
@@ -98,6 +105,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=15.0, help="budget per run")
     parser.add_argument("--no-controls", action="store_true")
     parser.add_argument(
+        "--controls", nargs="+", choices=sorted(CONTROLS), default=sorted(CONTROLS),
+        help="which controls to run (default: both)",
+    )  # fmt: skip
+    parser.add_argument(
         "--eval-tasks", type=int, default=0,
         help="held-out tasks per evaluation (0: the recipe's); 512 makes one evaluation's "
         "standard error at chance 0.012",
@@ -111,10 +122,7 @@ def main() -> None:
     runs = ROOT / "runs"
     plan = [(f"seed{seed}", [f"seed={seed}"]) for seed in args.seeds]
     if not args.no_controls:
-        plan += [
-            ("control-shuffled-rewards", ["seed=0", "algorithm.control=shuffled_rewards"]),
-            ("control-no-tools", ["seed=0", "env.tools_enabled=false"]),
-        ]
+        plan += [(f"control-{name}", CONTROLS[name]) for name in args.controls]
     evals = [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks else []
     threads = threads_per_job(args.jobs)
     results = run_side_by_side(
