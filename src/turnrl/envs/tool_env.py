@@ -10,6 +10,7 @@ is an observation too (DESIGN.md invariant 4).
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,8 +26,8 @@ Verifier = Callable[[Task, str], Verdict]
 class ToolEnv:
     """A multi-turn tool-use episode. Make one instance per episode.
 
-    ``tools`` is a ToolSet, or a function building one from the task (tools that close over
-    per-task state). ``max_tool_calls`` bounds calls per episode and
+    ``tools`` is a ToolSet, or a function (sync or async) building one from the task (tools
+    that close over per-task state; an MCP server's ``toolset``, which opens a session). ``max_tool_calls`` bounds calls per episode and
     ``max_calls_per_turn`` calls in one turn; a call beyond a budget gets an error
     observation instead of running (recorded with error ``"budget"``). The calls of one
     turn run concurrently; their results come back in the order they were made.
@@ -35,7 +36,7 @@ class ToolEnv:
 
     def __init__(
         self,
-        tools: ToolSet | Callable[[Task], ToolSet],
+        tools: ToolSet | Callable[[Task], ToolSet | Awaitable[ToolSet]],
         format: Format,
         verifier: Verifier,
         *,
@@ -61,7 +62,8 @@ class ToolEnv:
 
     async def reset(self, task: Task, seed: int) -> list[Message]:
         self.task = task
-        self.tools = self._tools_for(task)
+        tools = self._tools_for(task)
+        self.tools = await tools if inspect.isawaitable(tools) else tools
         self.num_tool_calls = 0
         system = self.system_prompt or ""
         if not self.format.template_tools and self.tools.names:

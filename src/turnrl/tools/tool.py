@@ -124,19 +124,27 @@ class Tool:
         }
 
     def validate(self, arguments: Any) -> str | None:
-        """Why ``arguments`` do not fit the schema (all problems, one line), or None."""
+        """Why ``arguments`` do not fit the schema (all problems, one line), or None.
+
+        Checks required keys, unknown keys (unless the schema allows more), types, enums,
+        array items and mapping values; keywords it does not know (``$ref``, ``pattern``,
+        bounds) are left to the tool itself, so a foreign schema (MCP) never blocks a call
+        that might be valid.
+        """
         if not isinstance(arguments, Mapping):
             return f"{self.name}: arguments must be an object, got {_describe(arguments)}"
-        props: dict[str, JsonSchema] = self.parameters["properties"]
+        props: dict[str, JsonSchema] = self.parameters.get("properties", {})
         problems = [
             f"missing required argument '{key}'"
-            for key in self.parameters["required"]
+            for key in self.parameters.get("required", [])
             if key not in arguments
         ]
+        open_ended = bool(self.parameters.get("additionalProperties", False))
         for key, value in arguments.items():
             if key not in props:
-                expected = ", ".join(props) or "none"
-                problems.append(f"unknown argument '{key}' (expected: {expected})")
+                if not open_ended:
+                    expected = ", ".join(props) or "none"
+                    problems.append(f"unknown argument '{key}' (expected: {expected})")
             elif (problem := _check(value, props[key], str(key))) is not None:
                 problems.append(problem)
         return f"{self.name}: " + "; ".join(problems) if problems else None
@@ -399,31 +407,38 @@ def _type_schema(tp: Any, where: str) -> JsonSchema:
 
 
 def _check(value: Any, schema: JsonSchema, path: str) -> str | None:
-    """Why ``value`` does not fit ``schema`` (the subset ``_type_schema`` writes), or None."""
+    """Why ``value`` does not fit ``schema`` (type, enum, anyOf, items, mapping values),
+    or None; keywords outside that subset are not checked."""
     if not _fits(value, schema):
         return f"argument '{path}' must be {_expected(schema)}, got {_describe(value)}"
     if "anyOf" in schema:
         return next((_check(value, s, path) for s in schema["anyOf"] if _fits(value, s)), None)
-    if schema.get("type") == "array":
+    items = schema.get("items")
+    if _json_type(value) == "array" and isinstance(items, dict):
         for i, item in enumerate(value):
-            if (problem := _check(item, schema["items"], f"{path}[{i}]")) is not None:
+            if (problem := _check(item, items, f"{path}[{i}]")) is not None:
                 return problem
-    if schema.get("type") == "object":
+    values = schema.get("additionalProperties")
+    if _json_type(value) == "object" and isinstance(values, dict) and "properties" not in schema:
         for key, item in value.items():
             sub = f"{path}[{json.dumps(key, ensure_ascii=False, default=str)}]"
-            if (problem := _check(item, schema["additionalProperties"], sub)) is not None:
+            if (problem := _check(item, values, sub)) is not None:
                 return problem
     return None
 
 
 def _fits(value: Any, schema: JsonSchema) -> bool:
-    """The shallow check: type and enum (items of arrays and objects are checked by _check)."""
+    """The shallow check: type and enum (items of arrays and objects are checked by _check).
+    A schema with neither (``$ref``, ``{}``) accepts anything."""
     if "anyOf" in schema:
         return any(_fits(value, s) for s in schema["anyOf"])
     if "enum" in schema:
         return any(_json_type(value) == _json_type(e) and value == e for e in schema["enum"])
+    if "type" not in schema:
+        return True
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
     kind = _json_type(value)
-    return kind == schema["type"] or (kind == "integer" and schema["type"] == "number")
+    return kind in kinds or (kind == "integer" and "number" in kinds)
 
 
 def _json_type(value: Any) -> str:
@@ -442,8 +457,8 @@ def _expected(schema: JsonSchema) -> str:
         return " or ".join(_expected(s) for s in schema["anyOf"])
     if "enum" in schema:
         return "one of " + ", ".join(json.dumps(e) for e in schema["enum"])
-    kind: str = schema["type"]
-    return _ARTICLES.get(kind, f"a {kind}")
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    return " or ".join(_ARTICLES.get(k, f"a {k}") for k in kinds)
 
 
 def _describe(value: Any) -> str:
