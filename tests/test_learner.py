@@ -25,7 +25,7 @@ from turnrl.trainer.learner import (
     common_prefix_length,
     hidden_states,
 )
-from turnrl.types import GenerationRequest
+from turnrl.types import GenerationRequest, Sample
 
 SPEC = SecretLookup()
 
@@ -372,6 +372,46 @@ def test_ppo_with_a_fresh_critic_equals_whitened_returns(model: Any, tokenizer: 
     assert grads.keys() == expected.keys()
     for name in grads:
         assert torch.allclose(grads[name], expected[name], atol=1e-6), name
+
+
+def two_turns(sample: Sample) -> Sample:
+    """The sample with its middle sampled token unmasked (as if an observation sat there),
+    so that its sampled tokens form two turns."""
+    sampled = [i for i, m in enumerate(sample.loss_mask) if m]
+    cut = sampled[len(sampled) // 2]
+    mask = tuple(0 if i == cut else m for i, m in enumerate(sample.loss_mask))
+    logprobs = tuple(0.0 if i == cut else lp for i, lp in enumerate(sample.logprobs))
+    return Sample(sample.input_ids, mask, logprobs)
+
+
+def test_turn_level_gae_is_wired_to_the_bi_level_estimator(model: Any, tokenizer: Any) -> None:
+    from turnrl.algorithms import gae_advantages, masked_whiten, turn_level_gae_advantages
+
+    samples, rewards, pad = gae_samples(model, tokenizer)
+    samples = [two_turns(s) for s in samples]
+    config = AlgorithmConfig(advantage="gae", gae_level="turn", gae_turn_gamma=0.5,
+                             max_grad_norm=1e9)  # fmt: skip
+    ppo = Learner(copy.deepcopy(model), config, temperature=1.0)
+    ppo.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+    ppo.step_samples_gae(samples, on_last_token(samples, rewards), pad)
+    # V = 0 (fresh head): the advantages are the bi-level estimator's on zero values.
+    batch = pack(samples, rewards, pad)
+    token_rewards = pack(samples, [0.0] * len(samples), pad).advantages.clone()
+    for i, row in enumerate(on_last_token(samples, rewards)):
+        token_rewards[i, : len(row)] = torch.tensor(row)
+    turn = turn_level_gae_advantages(token_rewards, torch.zeros_like(token_rewards),
+                                     batch.loss_mask, turn_gamma=0.5)  # fmt: skip
+    token = gae_advantages(token_rewards, torch.zeros_like(token_rewards), batch.loss_mask)
+    assert not torch.allclose(turn.advantages, token.advantages)  # multi-turn: they differ
+    whitened = masked_whiten(turn.advantages, batch.loss_mask)
+    plain = Learner(copy.deepcopy(model), AlgorithmConfig(max_grad_norm=1e9), temperature=1.0)
+    plain.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+    plain.step(Batch(batch.input_ids, batch.attention_mask, batch.loss_mask,
+                     batch.old_logprobs, whitened.float()))  # fmt: skip
+    for name, param in ppo.model.named_parameters():
+        if param.grad is not None:
+            assert torch.allclose(param.grad, dict(plain.model.named_parameters())[name].grad,
+                                  atol=1e-6), name  # fmt: skip
 
 
 @pytest.mark.parametrize("critic", ["head", "model"])

@@ -105,6 +105,11 @@ class AlgorithmConfig:
     """GAE discount over sampled tokens (1 as in RAGEN and Search-R1)."""
     gae_lambda: float = 1.0
     """GAE lambda (1: the return minus the value; PPO's classic choice is 0.95)."""
+    gae_level: Literal["token", "turn"] = "token"
+    """GAE over sampled tokens, or turn-level (bi-level, RAGEN) GAE: first over turns with
+    ``gae_turn_gamma``, then over the tokens inside each turn (ALGORITHMS.md)."""
+    gae_turn_gamma: float = 0.95
+    """Turn-level GAE: the discount between turns."""
     whiten_advantages: bool = True
     """GAE: whiten the advantages over the batch's sampled tokens (PPO's usual practice)."""
     gigpo_gamma: float = 0.95
@@ -329,6 +334,10 @@ class Config:
             (self.algorithm.value_clip >= 0.0, "algorithm.value_clip must be >= 0"),
             (0.0 <= self.algorithm.gae_gamma <= 1.0, "algorithm.gae_gamma must be in [0, 1]"),
             (0.0 <= self.algorithm.gae_lambda <= 1.0, "algorithm.gae_lambda must be in [0, 1]"),
+            (
+                0.0 <= self.algorithm.gae_turn_gamma <= 1.0,
+                "algorithm.gae_turn_gamma must be in [0, 1]",
+            ),
             (self.algorithm.max_sample_rounds >= 1, "algorithm.max_sample_rounds must be >= 1"),
             (
                 0.0 < self.algorithm.variance_filter_keep <= 1.0,

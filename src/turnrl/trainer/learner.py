@@ -9,6 +9,7 @@ logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from turnrl.algorithms import (
     sequence_tis_weights,
     token_mean,
     token_tis_weights,
+    turn_level_gae_advantages,
 )
 from turnrl.errors import ConfigError
 from turnrl.rollout.batch import Batch, pack
@@ -143,9 +145,15 @@ class Learner:
         # Packed with the token rewards in the advantages slot; GAE replaces them below.
         chunks = self._chunks(samples, token_rewards, pad_id)
         values = [self.critic.values(mb) for mb in chunks]
+        if cfg.gae_level == "turn":
+            estimate = functools.partial(
+                turn_level_gae_advantages, gamma=cfg.gae_gamma, lam=cfg.gae_lambda,
+                turn_gamma=cfg.gae_turn_gamma,
+            )  # fmt: skip
+        else:
+            estimate = functools.partial(gae_advantages, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
         gae = [
-            gae_advantages(mb.advantages, v, mb.loss_mask, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
-            for mb, v in zip(chunks, values, strict=True)
+            estimate(mb.advantages, v, mb.loss_mask) for mb, v in zip(chunks, values, strict=True)
         ]
         advantages = [g.advantages for g in gae]
         if cfg.whiten_advantages:
