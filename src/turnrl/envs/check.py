@@ -126,6 +126,11 @@ async def _check(spec: EnvSpec, num_tasks: int, seed: int) -> EnvReport:
                     found["runs"].append(f"{label} policy, task {task.id}: {exc!r}")
                     break
                 schemas = env.tool_schemas()
+                # A format that lists tools in its own system prompt (search_r1, react)
+                # sends no schemas to the template; check the ToolEnv's tools themselves.
+                own = getattr(getattr(env, "tools", None), "schemas", None)
+                if isinstance(schemas, list) and not schemas and callable(own):
+                    schemas = own()
                 found["schemas"] += _schema_problems(schemas)
                 tool_names |= {str(s.get("function", {}).get("name")) for s in schemas}
             if len(runs) < 2:

@@ -7,6 +7,7 @@ import random
 from typing import Any, Protocol
 
 from turnrl.envs.games import Bandit, FrozenLake, Sokoban
+from turnrl.envs.search_qa import SearchQA
 from turnrl.envs.secret_lookup import SecretLookup
 from turnrl.errors import ConfigError
 from turnrl.protocols import Env
@@ -38,6 +39,7 @@ ENVIRONMENTS: dict[str, type[Any]] = {
     "sokoban": Sokoban,
     "frozen_lake": FrozenLake,
     "bandit": Bandit,
+    "search_qa": SearchQA,
 }
 
 
