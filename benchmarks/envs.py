@@ -36,6 +36,9 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("frozen_lake", {"slip_prob": 0.2}),
     ("bandit", {}),
     ("secret_lookup", {}),
+    ("search_qa", {"min_hops": 1, "max_hops": 1}),
+    ("search_qa", {}),
+    ("search_qa", {"min_hops": 3, "max_hops": 3}),
 ]
 MAX_STEPS = 64
 
@@ -149,7 +152,10 @@ def main() -> None:
         "the family's declared random success (exact for FrozenLake and the bandit, estimated "
         "for Sokoban). The bandit's is 1/2 by construction (two arms); its learning signal is "
         "the payout: 0.20 expected at random, 0.25 for the better arm.",
-        "- secret_lookup has no oracle(task) yet (n/a).",
+        "- search_qa: the oracle searches each hop's entity by name, in order (one search per "
+        "hop), and answers with what it read; the random policy searches a random entity and "
+        "answers a random entity's name (chance: 1 / number of entities). secret_lookup "
+        "without its tool (the learning proof's control) is not listed: its oracle is chance.",
         "- episodes/s: one process, no model; random: task generation + reset + steps; oracle: "
         "the same plus the oracle's planning (Sokoban: a breadth-first solver).",
         f"- all requirements met: {'yes' if not failures else 'NO: ' + ', '.join(failures)}",

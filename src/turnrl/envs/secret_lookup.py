@@ -11,14 +11,17 @@ to find, because the warm-up demonstrations use random keys and random answers.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from turnrl.envs.card import EnvCard
+from turnrl.envs.policy import Policy
 from turnrl.envs.tool_env import ToolEnv
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
 from turnrl.rewards import Verdict, exact_match
 from turnrl.tools import Tool, ToolSet
-from turnrl.types import Task, ToolCall
+from turnrl.types import Message, Task, ToolCall
 
 KEY_NAMES = (
     "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta",
@@ -94,6 +97,40 @@ class SecretLookup:
             return table[key]
 
         return ToolSet([Tool.from_function(lookup, timeout_s=5.0)])
+
+    def oracle(self, task: Task) -> Policy:
+        """Looks up the asked key, then answers with what the tool returned."""
+        call = get_format("hermes").render_call(ToolCall("lookup", {"key": task.metadata["key"]}))
+
+        guess = VALUE_NAMES[0]  # without the tool nothing beats chance
+
+        def policy(messages: Sequence[Message]) -> str:
+            if not any(m["role"] == "tool" for m in messages):
+                return call if self.tools_enabled else guess
+            return str(messages[-1]["content"]).strip()
+
+        return policy
+
+    @property
+    def oracle_success(self) -> float:
+        """1, or chance when the tool is removed (the no-tools control)."""
+        return 1.0 if self.tools_enabled else self.chance
+
+    @property
+    def card(self) -> EnvCard:
+        return EnvCard(
+            name=self.name,
+            summary=f"answer the value of the asked key (of {self.num_keys}) in a hidden table; "
+            "only lookup(key) reveals it",
+            tools=("lookup(key: str) -> the key's value",) if self.tools_enabled else (),
+            tool_budget=4,
+            turn_limit=None,
+            scaffold="hermes <tool_call> format; the question names the key",
+            evaluator="reward = exact match of the answer with the key's value",
+            on_failure="an unknown key is an error result and the episode goes on; a wrong "
+            "answer ends it with 0",
+            chance=self.chance,
+        )
 
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
         """Assistant turns that show the format only: a call with a random key, then a
