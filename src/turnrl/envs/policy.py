@@ -70,19 +70,25 @@ class Episode:
 
 
 async def play(env: Env, task: Task, policy: Policy, *, seed: int, max_steps: int) -> Episode:
-    """Run ``policy`` on ``task`` in ``env`` until the episode ends or ``max_steps`` turns."""
-    opening = tuple(await env.reset(task, seed))
-    messages: list[Message] = list(opening)
-    actions: list[str] = []
-    results: list[StepResult] = []
-    ended_by: Literal["terminated", "truncated", "max_steps"] = "max_steps"
-    for _ in range(max_steps):
-        action = policy(messages)
-        result = await env.step(action)
-        actions.append(action)
-        results.append(result)
-        if result.terminated or result.truncated:
-            ended_by = "terminated" if result.terminated else "truncated"
-            break
-        messages += [{"role": "assistant", "content": action}, *result.observation]
+    """Run ``policy`` on ``task`` in ``env`` until the episode ends or ``max_steps`` turns;
+    then, as the rollout does, let the env release its tools (its ``close``, if any)."""
+    try:
+        opening = tuple(await env.reset(task, seed))
+        messages: list[Message] = list(opening)
+        actions: list[str] = []
+        results: list[StepResult] = []
+        ended_by: Literal["terminated", "truncated", "max_steps"] = "max_steps"
+        for _ in range(max_steps):
+            action = policy(messages)
+            result = await env.step(action)
+            actions.append(action)
+            results.append(result)
+            if result.terminated or result.truncated:
+                ended_by = "terminated" if result.terminated else "truncated"
+                break
+            messages += [{"role": "assistant", "content": action}, *result.observation]
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            await close()
     return Episode(opening, tuple(actions), tuple(results), ended_by)
