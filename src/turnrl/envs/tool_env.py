@@ -17,6 +17,7 @@ from typing import Any
 from turnrl.formats import error_observation
 from turnrl.protocols import Format, ToolSchema
 from turnrl.rewards import Verdict
+from turnrl.rewards.composite import CompositeReward, gold_calls
 from turnrl.tools import ToolSet
 from turnrl.types import Message, StepResult, Task, ToolCall, ToolCallRecord
 
@@ -32,6 +33,8 @@ class ToolEnv:
     observation instead of running (recorded with error ``"budget"``). The calls of one
     turn run concurrently; their results come back in the order they were made.
     ``close`` releases the tools' resources (the rollout calls it when the episode ends).
+    ``reward``: a ``CompositeReward`` that shapes the verifier's outcome with a gated
+    format term and a tool-call match against ``task.metadata["gold_calls"]``.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class ToolEnv:
         system_prompt: str | None = None,
         max_tool_calls: int | None = None,
         max_calls_per_turn: int | None = None,
+        reward: CompositeReward | None = None,
     ) -> None:
         self._tools_for = tools if callable(tools) else (lambda _task: tools)
         self.format = format
@@ -50,9 +54,12 @@ class ToolEnv:
         self.system_prompt = system_prompt
         self.max_tool_calls = max_tool_calls
         self.max_calls_per_turn = max_calls_per_turn
+        self.reward = reward
         self.task: Task | None = None
         self.tools = ToolSet([])
         self.num_tool_calls = 0
+        self.calls: list[ToolCall] = []
+        self.format_errors = 0
 
     def stop_strings(self) -> tuple[str, ...]:
         return self.format.stop_strings
@@ -65,6 +72,8 @@ class ToolEnv:
         tools = self._tools_for(task)
         self.tools = await tools if inspect.isawaitable(tools) else tools
         self.num_tool_calls = 0
+        self.calls = []
+        self.format_errors = 0
         system = self.system_prompt or ""
         if not self.format.template_tools and self.tools.names:
             system = "\n\n".join(
@@ -78,12 +87,19 @@ class ToolEnv:
             raise RuntimeError("step() called before reset()")
         parsed = self.format.parse(action)
         if parsed.errors:
+            self.format_errors += 1
             return StepResult(
                 observation=tuple(error_observation(parsed.errors)), info={"format_error": True}
             )
         if parsed.tool_calls:
+            self.calls += parsed.tool_calls
             return await self._run_calls(parsed.tool_calls)
         verdict = self.verifier(self.task, parsed.answer or "")
+        if self.reward is not None:
+            verdict = self.reward.combine(
+                verdict, calls=self.calls, format_errors=self.format_errors,
+                gold=gold_calls(self.task.metadata),
+            )  # fmt: skip
         info: dict[str, Any] = {"success": verdict.success, "reward_components": verdict.components}
         return StepResult(reward=verdict.reward, terminated=True, info=info)
 
