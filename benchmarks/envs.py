@@ -39,6 +39,7 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("search_qa", {"min_hops": 1, "max_hops": 1}),
     ("search_qa", {}),
     ("search_qa", {"min_hops": 3, "max_hops": 3}),
+    ("shop", {}),
 ]
 MAX_STEPS = 64
 
