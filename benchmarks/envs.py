@@ -40,6 +40,7 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("search_qa", {}),
     ("search_qa", {"min_hops": 3, "max_hops": 3}),
     ("shop", {}),
+    ("service", {}),
 ]
 MAX_STEPS = 64
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from turnrl.envs.games import Bandit, FrozenLake, Sokoban
 from turnrl.envs.search_qa import SearchQA
 from turnrl.envs.secret_lookup import SecretLookup
+from turnrl.envs.service import Service
 from turnrl.envs.shop import Shop
 from turnrl.errors import ConfigError
 from turnrl.protocols import Env
@@ -42,6 +43,7 @@ ENVIRONMENTS: dict[str, type[Any]] = {
     "bandit": Bandit,
     "search_qa": SearchQA,
     "shop": Shop,
+    "service": Service,
 }
 
 
