@@ -1,4 +1,5 @@
-"""The ``turnrl`` command line: train, build a tiny model, list and check environments, report.
+"""The ``turnrl`` command line: train, evaluate, serve, build a tiny model, list and check
+environments, report.
 
 Errors turnrl raises on purpose (bad config, missing model, ...) print one clear line and
 exit with status 2; anything else is a bug and keeps its traceback.
@@ -77,6 +78,41 @@ def _parser() -> argparse.ArgumentParser:
         help="an environment option, e.g. --set slip_prob=0.2 (repeatable; JSON values)",
     )  # fmt: skip
     check.set_defaults(run=_envs_check)
+
+    ev = sub.add_parser(
+        "eval", help="evaluate a checkpoint or an OpenAI-compatible endpoint on an environment"
+    )
+    ev.add_argument("--env", required=True, help="a registered environment")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="a local model directory (torch backend)")
+    source.add_argument(
+        "--endpoint", help="an OpenAI-compatible base URL, e.g. http://host:8000/v1"
+    )
+    ev.add_argument("--model-name", help="the endpoint's model id (default: its first model)")
+    ev.add_argument("--n", type=int, default=64, help="test tasks")
+    ev.add_argument("--k", type=int, default=1, help="samples per task (pass@k)")
+    ev.add_argument("--split", default="test")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--max-turns", type=int, default=4)
+    ev.add_argument("--max-tokens", type=int, default=64, help="tokens per turn")
+    ev.add_argument("--max-episode-tokens", type=int, default=256)
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--top-p", type=float, default=1.0)
+    ev.add_argument("--concurrency", type=int, default=8, help="episodes in flight (endpoint)")
+    ev.add_argument("--out", type=Path, default=None, help="output directory (resumable)")
+    ev.add_argument(
+        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment option (repeatable; JSON values)",
+    )  # fmt: skip
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(run=_eval)
+
+    srv = sub.add_parser("serve", help="serve a local model over an OpenAI-compatible API")
+    srv.add_argument("model", type=Path)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000, help="0: any free port")
+    srv.add_argument("--name", default=None, help="the model id to report")
+    srv.set_defaults(run=_serve)
 
     report = sub.add_parser("report", help="(re)write report.html of a run directory")
     report.add_argument("run_dir", type=Path)
@@ -159,6 +195,33 @@ def _env_options(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             options[key] = value
     return options
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from turnrl.evaluation import EvalConfig, evaluate, summary_lines
+
+    config = EvalConfig(
+        env=args.env, env_options=_env_options(args.options), n=args.n, k=args.k,
+        split=args.split, seed=args.seed, max_turns=args.max_turns,
+        max_tokens_per_turn=args.max_tokens, max_episode_tokens=args.max_episode_tokens,
+        temperature=args.temperature, top_p=args.top_p, concurrency=args.concurrency,
+    )  # fmt: skip
+    out = args.out or Path("runs") / f"eval-{args.env}"
+    print(f"turnrl: evaluation directory {out}")
+    summary = evaluate(
+        config, out, model_path=args.model, endpoint=args.endpoint,
+        model_name=args.model_name, progress=not args.no_progress,
+    )  # fmt: skip
+    print("\n".join(summary_lines(summary)))
+    print(f"turnrl: episodes {out / 'episodes.jsonl'}; summary {out / 'summary.json'}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from turnrl.serving import serve
+
+    serve(args.model, host=args.host, port=args.port, name=args.name)
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
