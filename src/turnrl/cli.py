@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--name", default=None, help="the model id to report")
     srv.set_defaults(run=_serve)
 
+    doctor = sub.add_parser("doctor", help="versions, devices, sandbox, extras; a self-check")
+    doctor.set_defaults(run=_doctor)
+
     report = sub.add_parser("report", help="(re)write report.html of a run directory")
     report.add_argument("run_dir", type=Path)
     report.set_defaults(run=_report)
@@ -222,6 +225,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve(args.model, host=args.host, port=args.port, name=args.name)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from turnrl.doctor import run
+
+    return 0 if run() else 1
 
 
 def _report(args: argparse.Namespace) -> int:
