@@ -18,14 +18,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# bubblewrap isolates the code sandbox (turnrl.tools.sandbox); installed where root has apt.
+# apt packages the tests use, installed where root has apt: bubblewrap isolates the code
+# sandbox (turnrl.tools.sandbox); chromium + chromium-driver render report.html in the
+# browser test.
+APT_PACKAGES := bubblewrap chromium chromium-driver
 setup: $(STAMP)
-	@command -v bwrap >/dev/null 2>&1 || \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
-	else \
-	  echo "warning: bubblewrap (bwrap) is missing and needs root + apt-get to install:" \
-	    "the code sandbox will fall back to rlimits, which do not isolate"; \
+	@missing=""; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else \
+	    echo "warning: missing$$missing (needs root + apt-get): without bubblewrap the code" \
+	      "sandbox falls back to rlimits, which do not isolate; without chromium the report" \
+	      "browser test is skipped"; \
+	  fi; \
 	fi
 
 demo: setup

@@ -1,12 +1,11 @@
-"""Learning curves of a run as one PNG, and a minimal self-contained report.html.
+"""Learning curves of a run as one PNG (``learning_curve.png``), and the entry point that
+also writes ``report.html`` (``turnrl.report.html``).
 
 Reads only ``metrics.jsonl``, so it works on a finished, running or killed run.
 """
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 from pathlib import Path
 from typing import Any
@@ -56,24 +55,8 @@ def write_curves(run_dir: Path) -> Path:
 
 
 def write_report(run_dir: Path) -> Path:
-    """Write ``report.html``: the curves and the last metrics row, no network needed."""
-    run_dir = Path(run_dir)
-    png = write_curves(run_dir)
-    rows = read_metrics(run_dir)
-    last = rows[-1] if rows else {}
-    image = base64.b64encode(png.read_bytes()).decode()
-    table = "".join(
-        f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>"
-        if isinstance(v, float)
-        else f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
-        for k, v in sorted(last.items())
-    )
-    page = (
-        "<!doctype html><meta charset='utf-8'><title>turnrl run report</title>"
-        f"<h1>{html.escape(run_dir.name)}</h1>"
-        f"<img alt='learning curves' src='data:image/png;base64,{image}'>"
-        f"<h2>Last step</h2><table>{table}</table>"
-    )
-    out = run_dir / "report.html"
-    out.write_text(page)
-    return out
+    """Draw ``learning_curve.png`` and write the self-contained ``report.html``."""
+    from turnrl.report.html import write_html_report
+
+    write_curves(run_dir)
+    return write_html_report(run_dir)

@@ -136,4 +136,15 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         "rollout/template_breaks": float(sum(t.template_breaks for t in trajs)),
         "rollout/errors": float(sum(t.error is not None for t in trajs)),
         "rollout/completion_tokens_mean": sum(t.num_completion_tokens for t in trajs) / n,
+        **_component_means(trajs),
     }
+
+
+def _component_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``rollout/reward/<name>``: each reward component's mean over the episodes that
+    report it (every component logged separately, DESIGN.md)."""
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for name, value in t.reward_components.items():
+            values.setdefault(name, []).append(float(value))
+    return {f"rollout/reward/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
