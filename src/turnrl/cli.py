@@ -132,7 +132,10 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.out or Path("runs") / config.name
     print(f"turnrl: run directory {run_dir}")
     t0 = time.perf_counter()
-    result = train(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    result = train(
+        config, run_dir, resume=args.resume, progress=not args.no_progress,
+        on_row=_report_every(run_dir, REPORT_EVERY_S),
+    )  # fmt: skip
     report = write_report(run_dir)
     rows = [r for r in result.rows if "eval/success_mean" in r]
     if rows:
@@ -147,6 +150,30 @@ def _train(args: argparse.Namespace) -> int:
     print(f"turnrl: curves       {run_dir / 'learning_curve.png'}")
     print(f"turnrl: report       {report}")
     return 0
+
+
+REPORT_EVERY_S = 60.0
+"""``turnrl train`` rewrites report.html at most this often while the run goes on."""
+
+
+def _report_every(run_dir: Path, seconds: float) -> Any:
+    """An ``on_row`` callback that rewrites the run's report.html every ``seconds``, so a
+    running (or killed) run has a current report; a failure to write it is printed and
+    training goes on."""
+    from turnrl.report import write_report
+
+    last = [time.monotonic()]
+
+    def on_row(row: dict[str, Any]) -> None:
+        if time.monotonic() - last[0] < seconds:
+            return
+        last[0] = time.monotonic()
+        try:
+            write_report(run_dir)
+        except Exception as exc:  # the report must never stop the run
+            print(f"turnrl: warning: report.html not updated: {exc}", file=sys.stderr)
+
+    return on_row
 
 
 def _init_model(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ Reads only ``metrics.jsonl``, so it works on a finished, running or killed run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,10 @@ PANELS = (
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    rows: list[dict[str, Any]] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
+    """The rows of ``metrics.jsonl``; a torn last line (a killed run) is skipped."""
+    from turnrl.report.html import read_jsonl
+
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 def write_curves(run_dir: Path) -> Path:

@@ -1,0 +1,72 @@
+"""report.html without a browser: it survives a killed run's torn files and a missing
+tokenizer, embeds parseable data, and `turnrl train` rewrites it while the run goes on."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL_RUN
+from turnrl.cli import _report_every
+from turnrl.report import write_report
+from turnrl.report.html import svg_chart
+from turnrl.trainer.config import load_config
+from turnrl.trainer.loop import train
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "run"
+    train(load_config("quickstart", [*SMALL_RUN, "steps=2"]), out, progress=False)
+    return out
+
+
+def embedded(report: Path) -> list[dict[str, object]]:
+    found = re.search(r"id='episode-data'>(.*?)</script>", report.read_text(), re.S)
+    assert found is not None
+    data: list[dict[str, object]] = json.loads(found[1].replace("<\\/", "</"))
+    return data
+
+
+def test_a_killed_runs_files_and_a_missing_tokenizer_still_give_a_report(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    killed = tmp_path / "killed"
+    shutil.copytree(run_dir, killed)
+    for name in ("metrics.jsonl", "trajectories.jsonl"):
+        with (killed / name).open("a") as f:
+            f.write('{"step": 9, "torn')  # a line cut short by the kill
+    for model_dir in ("start_model", "base_model", "checkpoints"):
+        shutil.rmtree(killed / model_dir, ignore_errors=True)
+    episodes = embedded(write_report(killed))
+    assert episodes
+    first_turn = episodes[0]["turns"][0]  # type: ignore[index]
+    assert all(re.fullmatch(r"\[\d+\]", p) for p in first_turn["prompt"])  # ids, not text
+
+
+def test_tokens_are_decoded_with_the_runs_tokenizer(run_dir: Path) -> None:
+    episodes = embedded(write_report(run_dir))
+    text = "".join(episodes[0]["turns"][0]["prompt"])  # type: ignore[index]
+    assert "<|im_start|>" in text
+
+
+def test_chart_marks_alarms_and_survives_flat_or_single_points() -> None:
+    svg = svg_chart("x", {"a": [(1.0, 2.0)], "b": [(1.0, 3.0), (2.0, 3.0)]},
+                    [{"step": 1, "name": "spike", "metric": "a"}])  # fmt: skip
+    assert "<circle" in svg
+    assert "<polyline" in svg
+    assert "class='alarm'" in svg
+    assert "spike at step 1" in svg
+
+
+def test_train_rewrites_the_report_while_running(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "running"
+    shutil.copytree(run_dir, copy)
+    (copy / "report.html").unlink(missing_ok=True)
+    on_row = _report_every(copy, seconds=0.0)
+    on_row({"step": 1})
+    assert (copy / "report.html").is_file()
