@@ -41,6 +41,7 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("search_qa", {"min_hops": 3, "max_hops": 3}),
     ("shop", {}),
     ("service", {}),
+    ("tool_math", {}),
 ]
 MAX_STEPS = 64
 

@@ -11,6 +11,7 @@ from turnrl.envs.search_qa import SearchQA
 from turnrl.envs.secret_lookup import SecretLookup
 from turnrl.envs.service import Service
 from turnrl.envs.shop import Shop
+from turnrl.envs.tool_math import ToolMath
 from turnrl.errors import ConfigError
 from turnrl.protocols import Env
 from turnrl.types import Task
@@ -44,6 +45,7 @@ ENVIRONMENTS: dict[str, type[Any]] = {
     "search_qa": SearchQA,
     "shop": Shop,
     "service": Service,
+    "tool_math": ToolMath,
 }
 
 
