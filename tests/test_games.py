@@ -18,6 +18,7 @@ from turnrl.envs.games import sokoban_rules as rules
 from turnrl.envs.games.frozen_lake import Lake, landing, success_tables
 from turnrl.envs.games.grid import Direction, latest_board, move_call
 from turnrl.envs.policy import Episode, play, replay
+from turnrl.errors import ConfigError
 from turnrl.formats import get_format
 from turnrl.types import StepResult, Task, ToolCall
 
@@ -282,6 +283,20 @@ def test_bandit_payout_means_over_many_pulls() -> None:
     assert set(payouts["safe"]) == {0.15}
     assert set(payouts["risky"]) == {0.0, 1.0}
     assert abs(sum(payouts["risky"]) / n - 0.25) < 3 * math.sqrt(0.25 * 0.75 / n)
+
+
+def test_bandit_expected_reward_pays_the_arms_mean_without_the_draw() -> None:
+    spec = Bandit(reward="expected")
+    task = spec.task(0)
+    arms = {kind: arm for arm, kind in task.metadata["arms"].items()}
+    for kind, mean in (("safe", 0.15), ("risky", 0.25)):
+        episodes = run_seeds(spec, task, [pull(arms[kind])], range(50))
+        assert {e.reward for e in episodes} == {mean}
+    payouts = {e.results[-1].info["reward_components"]["payout"]
+               for e in run_seeds(spec, task, [pull(arms["risky"])], range(50))}  # fmt: skip
+    assert payouts == {0.0, 1.0}  # the draw is still recorded
+    with pytest.raises(ConfigError, match=r"bandit\.reward"):
+        Bandit(reward="best")
 
 
 def test_bandit_success_means_the_better_arm_and_the_pull_ends_the_episode() -> None:

@@ -37,6 +37,9 @@ class Bandit:
     """What the risky arm pays when it pays."""
     risky_prob: float = 0.25
     """Probability that the risky arm pays; otherwise it pays 0."""
+    reward: str = "payout"
+    """``payout``: the reward is the pull's payout (RAGEN); ``expected``: the pulled arm's
+    expected payout (0.15 or 0.25), the same ordering of arms without the draw's noise."""
     seed: int = 0
     """Seed of the task stream (tasks are a pure function of seed, split and index)."""
 
@@ -47,6 +50,8 @@ class Bandit:
             raise ConfigError("bandit payouts must be in [0, 1] (rewards are payouts)")
         if not 0.0 < self.risky_prob < 1.0:
             raise ConfigError("bandit.risky_prob must be in (0, 1)")
+        if self.reward not in ("payout", "expected"):
+            raise ConfigError(f"bandit.reward must be 'payout' or 'expected', got {self.reward!r}")
         if self.expected_payouts["safe"] == self.expected_payouts["risky"]:
             raise ConfigError("bandit arms must differ in expected payout (else no arm is best)")
 
@@ -170,6 +175,9 @@ class _Game:
             return None
         arm, payout = self.pulled
         best = float(arm == self.best)
+        reward = payout
+        if self.spec.reward == "expected":
+            reward = self.spec.expected_payouts[self.arms[arm]]
         return Outcome(
-            payout, arm == self.best, f"pulled {arm}", {"payout": payout, "best_arm": best}
+            reward, arm == self.best, f"pulled {arm}", {"payout": payout, "best_arm": best}
         )
