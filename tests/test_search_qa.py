@@ -147,6 +147,15 @@ def test_a_users_corpus_and_questions(tmp_path: Path) -> None:
     assert episode.reward == 1.0
 
 
+def test_relations_restrict_the_question_shapes() -> None:
+    spec = SearchQA(max_hops=1, relations=("born_in",))
+    assert {spec.task(i).metadata["relations"][0] for i in range(30)} == {"born_in"}
+    with pytest.raises(ConfigError, match="unknown"):
+        SearchQA(relations=("married_to",))
+    with pytest.raises(ConfigError, match="no 2-hop question"):
+        SearchQA(min_hops=2, max_hops=2, relations=("born_in",)).task(0)
+
+
 def test_bad_options_and_files_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="min_hops"):
         SearchQA(min_hops=2, max_hops=1)

@@ -153,6 +153,9 @@ class SearchQA:
     companies: int = 40
     people: int = 120
     """World size (one article per entity)."""
+    relations: tuple[str, ...] = ()
+    """Only these relations (names of ``RELATIONS``) in questions; empty: all. A curriculum
+    knob, e.g. ``["born_in"]`` for one question shape."""
     top_k: int = 3
     """Articles per search."""
     snippet_chars: int = 200
@@ -184,6 +187,11 @@ class SearchQA:
             raise ConfigError("search_qa: qa_test_path needs corpus_path and qa_path")
         if min(self.countries, self.cities, self.companies, self.people) < 2:
             raise ConfigError("search_qa: every entity kind needs at least 2 entities")
+        unknown = sorted(set(self.relations) - set(RELATIONS))
+        if unknown:
+            raise ConfigError(
+                f"search_qa.relations: unknown {unknown}; known: {', '.join(RELATIONS)}"
+            )
         if self.max_searches < 1 or self.top_k < 1:
             raise ConfigError("search_qa: max_searches and top_k must be >= 1")
 
@@ -226,7 +234,7 @@ class SearchQA:
         rng = random.Random(f"search_qa/{self.seed}/{split}/{index}")
         hops = rng.randint(self.min_hops, self.max_hops)
         world = self.world
-        while True:
+        for _attempt in range(10_000):
             start = rng.choice(sorted(world.kinds))
             chain = [start]
             relations: list[str] = []
@@ -234,7 +242,8 @@ class SearchQA:
                 kind = world.kinds[chain[-1]]
                 options = [r for r, (src, dst, _, _) in RELATIONS.items()
                            if src == kind and r in world.facts[chain[-1]]
-                           and (hop == hops - 1 or dst != "year")]  # fmt: skip
+                           and (hop == hops - 1 or dst != "year")
+                           and (not self.relations or r in self.relations)]  # fmt: skip
                 if not options:
                     break
                 relation = rng.choice(sorted(options))
@@ -242,6 +251,11 @@ class SearchQA:
                 chain.append(world.facts[chain[-1]][relation])
             if len(relations) == hops and len(set(chain)) == len(chain):
                 break
+        else:
+            raise ConfigError(
+                f"search_qa: no {hops}-hop question can be built from relations "
+                f"{list(self.relations) or 'all'} in this world"
+            )
         phrase = start
         for relation in relations[:-1]:
             phrase = RELATIONS[relation][2].format(phrase)
