@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,21 @@ def test_relations_restrict_the_question_shapes() -> None:
         SearchQA(relations=("married_to",))
     with pytest.raises(ConfigError, match="no 2-hop question"):
         SearchQA(min_hops=2, max_hops=2, relations=("born_in",)).task(0)
+
+
+def test_a_world_per_task_leaves_nothing_to_memorise() -> None:
+    spec = SearchQA(max_hops=1, relations=("born_in",), people=6, cities=4, countries=2,
+                    companies=2, world_per_task=True)  # fmt: skip
+    tasks = [spec.task(i, "test") for i in range(300)]
+    answers = Counter(str(t.answer) for t in tasks)
+    assert answers.most_common(1)[0][1] <= 3  # no answer worth guessing
+    report = check_env(spec, num_tasks=30)  # the oracle's searches hit each task's world
+    assert report.ok, report.table()
+    assert report.oracle_success == 1.0
+    shared = SearchQA(max_hops=1, relations=("born_in",), people=6, cities=4, countries=2,
+                      companies=2)  # fmt: skip
+    mode = Counter(str(shared.task(i, "test").answer) for i in range(300)).most_common(1)[0][1]
+    assert mode >= 60  # one small shared world: a single guess already wins often
 
 
 def test_bad_options_and_files_are_clear_errors(tmp_path: Path) -> None:

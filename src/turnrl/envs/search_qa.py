@@ -67,7 +67,7 @@ RELATIONS: dict[str, tuple[str, str, str, str]] = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class World:
     """The fictional world: entity name -> kind and attributes (relations hold names)."""
 
@@ -79,7 +79,8 @@ class World:
         return [n for n, k in self.kinds.items() if k == kind]
 
 
-def build_world(seed: int, countries: int, cities: int, companies: int, people: int) -> World:
+@functools.lru_cache(maxsize=1024)
+def build_world(seed: int | str, countries: int, cities: int, companies: int, people: int) -> World:
     """A seeded world; every name unique and no name a word of another."""
     rng = random.Random(f"search_qa-world/{seed}")
     used: set[str] = set()
@@ -162,6 +163,9 @@ class SearchQA:
     """Characters of each article shown (the generated articles are shorter)."""
     max_searches: int = 4
     """Search calls per episode."""
+    world_per_task: bool = False
+    """A fresh world for every task (so no fact can be memorised across tasks: every
+    answer must be searched); the default is one world for all tasks, like a corpus."""
     format: str = "search_r1"
     """Call format: ``search_r1`` tags or ``hermes`` <tool_call>."""
     corpus_path: str | None = None
@@ -197,7 +201,17 @@ class SearchQA:
 
     @functools.cached_property
     def world(self) -> World:
-        return build_world(self.seed, self.countries, self.cities, self.companies, self.people)
+        """The shared world (with ``world_per_task``, the world of training task 0)."""
+        return self._world("train", 0)
+
+    def _world(self, split: str, index: int) -> World:
+        key: int | str = f"{self.seed}/{split}/{index}" if self.world_per_task else self.seed
+        return build_world(key, self.countries, self.cities, self.companies, self.people)
+
+    def _index_for(self, task: Task) -> SearchIndex:
+        if not self.world_per_task or self.qa_path is not None:
+            return self.index
+        return _world_index(self._world(*task.metadata["world"]))
 
     @functools.cached_property
     def index(self) -> SearchIndex:
@@ -233,7 +247,7 @@ class SearchQA:
             )
         rng = random.Random(f"search_qa/{self.seed}/{split}/{index}")
         hops = rng.randint(self.min_hops, self.max_hops)
-        world = self.world
+        world = self._world(split, index)
         for _attempt in range(10_000):
             start = rng.choice(sorted(world.kinds))
             chain = [start]
@@ -264,11 +278,20 @@ class SearchQA:
             id=f"{split}-{index}",
             prompt=({"role": "user", "content": _prompt(question)},),
             answer=chain[-1],
-            metadata={"question": question, "hops": hops, "chain": chain, "relations": relations},
+            metadata={
+                "question": question,
+                "hops": hops,
+                "chain": chain,
+                "relations": relations,
+                "world": [split, index],
+            },
         )
 
     def make_env(self) -> ToolEnv:
-        tools = ToolSet([self.index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
+        def tools(task: Task) -> ToolSet:
+            index = self._index_for(task)
+            return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
+
         return ToolEnv(tools, get_format(self.format), _verify, max_tool_calls=self.max_searches)
 
     def oracle(self, task: Task) -> Policy:
@@ -295,14 +318,18 @@ class SearchQA:
         """The format with random content: a search for a random entity, then a random
         entity's name as the answer (replayed, the random policy)."""
         fmt = get_format(self.format)
-        names = sorted(self.world.kinds) if self.qa_path is None else ["unknown"]
+        world = self._world(*task.metadata["world"]) if "world" in task.metadata else None
+        names = sorted(world.kinds) if world is not None else ["unknown"]
         search = fmt.render_call(ToolCall("search", {"query": rng.choice(names)}))
         return [search, _answer(fmt, rng.choice(names))]
 
     def corpus(self) -> list[str]:
         """Articles, questions, calls and answers, for a tiny tokenizer."""
         fmt = get_format(self.format)
-        lines = [a["text"] for a in self.world.articles] if self.qa_path is None else []
+        lines = []
+        if self.qa_path is None:
+            for i in range(20 if self.world_per_task else 1):
+                lines += [a["text"] for a in self._world("corpus", i).articles]
         for i in range(200):
             task = self.task(i, "corpus")
             lines.append(str(task.prompt[0]["content"]))
@@ -332,6 +359,11 @@ class SearchQA:
             "and the episode goes on; a wrong answer ends it with 0",
             chance=self.chance,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _world_index(world: World) -> SearchIndex:
+    return SearchIndex(world.articles)
 
 
 def _prompt(question: str) -> str:
