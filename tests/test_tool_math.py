@@ -1,14 +1,18 @@
 """tool_math: the contract check through the real sandbox, and reward-hacking probes
 against every generator's checker (lists, the gold in noise, the gold repeated, format
-only, equal-but-wrong forms)."""
+only, equal-but-wrong forms, several boxed answers, answers that keep sympy busy), the
+oracle end to end, and equivalent forms that must score."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 
 import pytest
 
-from turnrl.envs import check_env
+from turnrl.envs import check_env, tool_math
+from turnrl.envs.policy import play, replay
 from turnrl.envs.tool_math import CHECKS, ToolMath, verify
 from turnrl.errors import ConfigError
 from turnrl.types import Task
@@ -41,6 +45,9 @@ def test_only_the_answer_itself_scores(generator: str) -> None:
     assert verify(task, gold).reward == 1.0
     for hack in (
         f"1, 2, {gold}",  # a list of candidates
+        f"1, 2, 3, {gold}",
+        f"[1, 2, 3, {gold}]",
+        "The program printed " + "x" * 120 + gold,  # the gold ending a long string
         f"I think {gold} or maybe 5",  # the gold inside a sentence
         f"{gold} {gold}",  # the gold repeated
         "",  # format only
@@ -73,3 +80,52 @@ def test_excluded_and_unknown_generators_are_clear_errors() -> None:
         ToolMath(generators=("game_of_life_halting",))
     with pytest.raises(ConfigError, match="unknown generator 'nope'"):
         ToolMath(generators=("nope",))
+
+
+def test_the_oracle_solves_through_the_sandbox() -> None:
+    async def run() -> list[bool]:
+        wins = []
+        for i in range(48):
+            task = SPEC.task(i, "test")
+            episode = await play(SPEC.make_env(), task, SPEC.oracle(task), seed=i, max_steps=4)
+            wins.append(episode.success and episode.actions[0].startswith("```python"))
+        return wins
+
+    wins = asyncio.run(run())
+    assert sum(wins) / len(wins) >= 0.99
+
+
+def test_several_boxed_answers_do_not_end_the_episode() -> None:
+    task = SPEC.task(0, "test")
+    turns = [f"\\boxed{{1}} or \\boxed{{{task.answer}}}"]
+    episode = asyncio.run(play(SPEC.make_env(), task, replay(turns), seed=0, max_steps=1))
+    assert episode.ended_by == "max_steps"
+    assert episode.reward == 0.0
+    assert episode.results[0].info.get("format_error")
+
+
+def test_equivalent_forms_score_where_math_verify_decides() -> None:
+    half = Task(
+        id="half",
+        prompt=({"role": "user", "content": "1 / 2 = ?"},),
+        answer="0.5",
+        metadata={"generator": "basic_arithmetic", "entry_seed": 0},
+    )
+    for form in ("0.5", "1/2", "\\frac{1}{2}", "2/4", ".50", "x = 1/2"):
+        assert verify(half, form).reward == 1.0, form
+    for wrong in ("0.4", "1/3", "1/2, 0.4"):
+        assert verify(half, wrong).reward == 0.0, wrong
+
+
+def test_answers_that_keep_sympy_busy_score_0_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a bound, each of these ran past 60 s in math-verify (sympy)."""
+    monkeypatch.setattr(tool_math._MATH_VERIFY, "timeout_s", 1.0)
+    task = task_of("gcd")
+    verify(task, str(task.answer))  # start the helper process outside the timing
+    for hack in ("9^{9^{9^{9}}}", "10^{10^{10}}", "99999999!", "2^{2^{40}}", "7/" * 40 + "7"):
+        start = time.monotonic()
+        assert verify(task, hack).reward == 0.0, hack
+        assert time.monotonic() - start < 10.0, hack
+    assert verify(task, str(task.answer)).reward == 1.0  # a fresh helper after the kill

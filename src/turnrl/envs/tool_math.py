@@ -22,15 +22,29 @@ list of candidates, the gold inside a sentence, the gold repeated, an empty answ
 - excluded: game_of_life_halting (its scorer pays any non-empty answer).
 
 reasoning-gym and math-verify are imported when first needed (``pip install
-'turnrl[math]'``); math-verify runs without its signal-based timeouts (they only work on
-the main thread), so answers are cut to 200 characters before parsing.
+'turnrl[math]'``). math-verify's own timeouts are signal-based and work only on the main
+thread, and without them sympy can run for ever (``\\boxed{9^{9^{9^{9}}}}``, ``99999999!``,
+``7/7/.../7``, each measured past 60 s): so answers are cut to 200 characters, math-verify
+only sees answers made of numbers, + - * /, brackets and fractions (``_plain``), and it
+runs in a helper process that is killed past ``MATH_VERIFY_TIMEOUT_S`` (the answer then
+scores 0). reasoning-gym's scorers of these generators parse numbers and never evaluate
+expressions, so they run in-process.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import importlib.util
+import json
+import os
 import random
 import re
+import select
+import subprocess
+import sys
+import threading
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +74,12 @@ CHECKS: dict[str, str] = {
 EXCLUDED = {"game_of_life_halting": "its scorer gives 1.0 to any non-empty answer"}
 MAX_ANSWER_CHARS = 200
 _FRACTION = re.compile(r"^\$?\s*(-?)\s*(?:\\d?frac\{(\d+)\}\{(\d+)\}|(\d+)\s*/\s*(\d+))\s*\$?$")
+# What math-verify may see of a model's answer: numbers, + - * /, brackets, fractions and
+# a leading "x =". Powers, factorials and functions are kept from it: without its
+# signal-based timeouts, sympy evaluates \boxed{9^{9^{9^{9}}}} or 99999999! for ever.
+_PLAIN_LATEX = re.compile(r"\\(?:[dt]?frac|left|right|cdot|times|div|[,;:! ])")
+_PLAIN_CHARS = re.compile(r"[0-9.,+\-*/()\[\]{}=$\s]*")
+_LEADING_VARIABLE = re.compile(r"^\s*\$?\s*[A-Za-z]\s*=")
 
 
 @dataclass(frozen=True)
@@ -224,20 +244,130 @@ def _score(task: Task, answer: str) -> float:
         return 0.0
 
 
+def _plain(answer: str) -> bool:
+    """Whether ``answer`` is arithmetic that math-verify evaluates at once (see
+    ``_PLAIN_CHARS``): the bound on its time, as its own timeouts are off."""
+    body = _PLAIN_LATEX.sub(" ", _LEADING_VARIABLE.sub("", answer, count=1))
+    return "**" not in body and _PLAIN_CHARS.fullmatch(body) is not None
+
+
 def _math_verify(gold: str, answer: str) -> bool:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import logging
+    return _plain(answer) and _MATH_VERIFY.equal(gold, answer)
 
-        import math_verify
 
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
-        mv: Any = math_verify  # untyped library
+MATH_VERIFY_TIMEOUT_S = 5.0
+"""Wall-clock limit of one math-verify comparison; past it the answer scores 0."""
 
-        def parse(text: str) -> Any:
-            return mv.parse(text if text.startswith("$") else f"${text}$", parsing_timeout=None)
+# Runs in the helper process. Replies go to a private copy of stdout, so nothing the
+# library prints can be taken for a reply.
+_WORKER = r"""
+import json, logging, os, sys, warnings
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+warnings.simplefilter("ignore")
+logging.disable(logging.CRITICAL)
+import math_verify
 
-        try:
-            return bool(mv.verify(parse(gold), parse(answer), timeout_seconds=None))
-        except Exception:  # an unparsable answer is a wrong one
-            return False
+def parse(text):
+    return math_verify.parse(text if text.startswith("$") else "$" + text + "$",
+                             parsing_timeout=None)
+
+replies.write("ready\n")
+replies.flush()
+for line in sys.stdin:
+    gold, answer = json.loads(line)
+    try:
+        ok = bool(math_verify.verify(parse(gold), parse(answer), timeout_seconds=None))
+    except BaseException:
+        ok = False
+    replies.write("1\n" if ok else "0\n")
+    replies.flush()
+"""
+
+
+class _MathVerifier:
+    """math-verify in a helper process, so that one comparison's time can be bounded.
+
+    In-process, with its signal-based timeouts off (they work only on the main thread),
+    math-verify can run for ever: sympy parses ``7/7/.../7`` in time exponential in its
+    length and evaluates power towers whole. Here a comparison past ``timeout_s`` kills
+    the helper (the next call starts a new one) and counts as not equal. Thread-safe; a
+    forked child starts its own helper."""
+
+    def __init__(self, timeout_s: float, startup_timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pid = 0
+        self._buffer = b""
+        atexit.register(self.close)
+
+    def equal(self, gold: str, answer: str) -> bool:
+        with self._lock:
+            proc = self._running()
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(json.dumps([gold, answer]).encode() + b"\n")
+            except OSError:  # died just now: a wrong answer rather than a crash
+                self._kill()
+                return False
+            reply = self._read_line(self.timeout_s)
+            if reply is None:
+                self._kill()
+                return False
+            return reply == b"1"
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._pid != os.getpid():
+            self._proc = None  # a forked child leaves its parent's helper alone
+        if self._proc is not None and self._proc.poll() is not None:
+            self._kill()  # died between calls
+        if self._proc is None:
+            if importlib.util.find_spec("math_verify") is None:
+                raise ConfigError("tool_math needs math-verify: pip install 'turnrl[math]'")
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _WORKER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                bufsize=0,
+            )
+            self._pid, self._buffer = os.getpid(), b""
+            if self._read_line(self.startup_timeout_s) != b"ready":
+                self._kill()
+                raise RuntimeError("tool_math: the math-verify helper process did not start")
+        return self._proc
+
+    def _read_line(self, timeout_s: float) -> bytes | None:
+        """The helper's next reply line, or None when it is late or gone."""
+        assert self._proc is not None
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.strip()
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and self._pid == os.getpid():
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+
+
+_MATH_VERIFY = _MathVerifier(MATH_VERIFY_TIMEOUT_S)
