@@ -172,6 +172,24 @@ def test_a_world_per_task_leaves_nothing_to_memorise() -> None:
     assert mode >= 60  # one small shared world: a single guess already wins often
 
 
+def test_search_shaping_rewards_the_right_search_but_the_answer_dominates() -> None:
+    spec = SearchQA(max_hops=1, search_reward=0.3)
+    task = spec.task(0)
+    entity, gold = task.metadata["chain"][0], str(task.answer)
+
+    def reward(turns: list[str]) -> float:
+        return asyncio.run(play(spec.make_env(), task, replay(turns), seed=0, max_steps=4)).reward
+
+    right = f"<search>{entity}</search>"
+    assert reward([right, f"<answer>{gold}</answer>"]) == pytest.approx(1.3)
+    assert reward([right, "<answer>nobody</answer>"]) == pytest.approx(0.3)
+    assert reward(["<answer>nobody</answer>"]) == pytest.approx(-0.3)  # no search at all
+    assert reward([f"<answer>{gold}</answer>"]) == pytest.approx(0.7)  # right, unsearched
+    assert check_env(spec, num_tasks=20).ok
+    with pytest.raises(ConfigError, match="search_reward"):
+        SearchQA(search_reward=0.8)
+
+
 def test_bad_options_and_files_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="min_hops"):
         SearchQA(min_hops=2, max_hops=1)

@@ -39,6 +39,7 @@ from turnrl.errors import ConfigError
 from turnrl.formats import get_format
 from turnrl.protocols import Format
 from turnrl.rewards import Verdict, qa_verdict
+from turnrl.rewards.composite import CompositeReward
 from turnrl.tools import SearchIndex, ToolSet
 from turnrl.types import Message, Task, ToolCall
 
@@ -163,6 +164,10 @@ class SearchQA:
     """Characters of each article shown (the generated articles are shorter)."""
     max_searches: int = 4
     """Search calls per episode."""
+    search_reward: float = 0.0
+    """Weight of a shaping term (``CompositeReward``'s ToolRL tool-call match, in [-1, 1])
+    between the episode's searches and the gold ones (one per hop, the entity's name);
+    0: the reward is the exact match alone. The outcome weight is 1 and stays dominant."""
     world_per_task: bool = False
     """A fresh world for every task (so no fact can be memorised across tasks: every
     answer must be searched); the default is one world for all tasks, like a corpus."""
@@ -196,6 +201,8 @@ class SearchQA:
             raise ConfigError(
                 f"search_qa.relations: unknown {unknown}; known: {', '.join(RELATIONS)}"
             )
+        if not 0.0 <= self.search_reward <= 0.5:
+            raise ConfigError("search_qa.search_reward must be in [0, 0.5]: the answer dominates")
         if self.max_searches < 1 or self.top_k < 1:
             raise ConfigError("search_qa: max_searches and top_k must be >= 1")
 
@@ -224,6 +231,11 @@ class SearchQA:
         assert self.qa_path is not None
         train = _load_qa(self.qa_path)
         return {"train": train, "test": _load_qa(self.qa_test_path) if self.qa_test_path else train}
+
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        """[0, 1], widened by the search-shaping term when it is on."""
+        return (-self.search_reward, 1.0 + self.search_reward)
 
     @property
     def chance(self) -> float:
@@ -284,6 +296,8 @@ class SearchQA:
                 "chain": chain,
                 "relations": relations,
                 "world": [split, index],
+                # the searches that find each hop: the tool-call term of a composite reward
+                "gold_calls": [{"name": "search", "arguments": {"query": e}} for e in chain[:-1]],
             },
         )
 
@@ -292,7 +306,11 @@ class SearchQA:
             index = self._index_for(task)
             return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
 
-        return ToolEnv(tools, get_format(self.format), _verify, max_tool_calls=self.max_searches)
+        shaping = None
+        if self.search_reward > 0:
+            shaping = CompositeReward(format_weight=0.0, tool_weight=self.search_reward)
+        return ToolEnv(tools, get_format(self.format), _verify, max_tool_calls=self.max_searches,
+                       reward=shaping)  # fmt: skip
 
     def oracle(self, task: Task) -> Policy:
         """Searches each hop's entity by name, in order, then answers with the gold answer
