@@ -25,11 +25,9 @@ each pass.
 from __future__ import annotations
 
 import functools
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from turnrl.envs.card import EnvCard
@@ -37,6 +35,7 @@ from turnrl.envs.policy import Policy
 from turnrl.envs.tool_env import ToolEnv
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
+from turnrl.jsonl import read_jsonl_lines
 from turnrl.protocols import Format
 from turnrl.rewards import Verdict, qa_verdict
 from turnrl.rewards.composite import CompositeReward
@@ -402,28 +401,21 @@ def _verify(task: Task, answer: str) -> Verdict:
 
 def _load_qa(path: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n}: not JSON ({exc.msg})") from None
-            answer = row.get("answer", row.get("golden_answers")) if isinstance(row, dict) else None
-            golds = [answer] if isinstance(answer, str) else answer
-            if (
-                not isinstance(row, dict)
-                or not isinstance(row.get("question"), str)
-                or not isinstance(golds, list)
-                or not golds
-                or not all(isinstance(g, str) and g.strip() for g in golds)
-            ):
-                raise ConfigError(
-                    f"{path}:{n}: expected an object with a string 'question' and an 'answer' "
-                    "(a non-empty string or list of strings)"
-                )
-            rows.append({"id": str(row.get("id", n)), "question": row["question"], "golds": golds})
+    for n, row in read_jsonl_lines(path):
+        answer = row.get("answer", row.get("golden_answers")) if isinstance(row, dict) else None
+        golds = [answer] if isinstance(answer, str) else answer
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not isinstance(golds, list)
+            or not golds
+            or not all(isinstance(g, str) and g.strip() for g in golds)
+        ):
+            raise ConfigError(
+                f"{path}:{n}: expected an object with a string 'question' and an 'answer' "
+                "(a non-empty string or list of strings)"
+            )
+        rows.append({"id": str(row.get("id", n)), "question": row["question"], "golds": golds})
     if not rows:
         raise ConfigError(f"{path}: no questions")
     return rows

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from turnrl.trainer.monitors import read_rows
+
 PANELS = (
     ("success", ("rollout/success_mean", "eval/success_mean")),
     ("reward", ("rollout/reward_mean", "rollout/reward_std_in_group")),
@@ -19,9 +21,7 @@ PANELS = (
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of ``metrics.jsonl``; a torn last line (a killed run) is skipped."""
-    from turnrl.report.html import read_jsonl
-
-    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return read_rows(Path(run_dir) / "metrics.jsonl")
 
 
 def write_curves(run_dir: Path) -> Path:

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from turnrl.trainer.monitors import read_rows
+
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("success", ("rollout/success_mean", "eval/success_mean")),
     ("reward", ("rollout/reward_mean", "eval/reward_mean")),
@@ -47,23 +49,11 @@ PROMPT_TOKENS_SHOWN = 300
 """The first turn's prompt is cut to its last this-many tokens (system prompt, tools)."""
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a jsonl file; a torn last line (a run killed mid-write) is skipped."""
-    rows: list[dict[str, Any]] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def write_html_report(run_dir: Path) -> Path:
     """Write ``report.html`` in ``run_dir`` and return its path."""
     run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    alarms = read_jsonl(run_dir / "alarms.jsonl")
+    rows = read_rows(run_dir / "metrics.jsonl")
+    alarms = read_rows(run_dir / "alarms.jsonl")
     config = _config(run_dir)
     episodes = _episodes(run_dir, _decoder(run_dir, config))
     title = f"turnrl run: {run_dir.name}"

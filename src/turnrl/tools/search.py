@@ -12,7 +12,6 @@ removed), the same for documents and queries; a query with no indexed word has n
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.errors import ConfigError
+from turnrl.jsonl import read_jsonl_lines
 from turnrl.tools.tool import Tool
 
 _WORD_RE = re.compile(r"(?u)\b\w\w+\b")
@@ -88,21 +88,14 @@ class SearchIndex:
         """Load a collection from a jsonl file (see the module docstring for the fields);
         a bad line is a ``ConfigError`` naming the file and line."""
         docs: list[Mapping[str, Any]] = []
-        with Path(path).open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{n}: not JSON ({exc.msg})") from None
-                if not isinstance(row, Mapping) or not isinstance(
-                    row.get("text", row.get("contents")), str
-                ):
-                    raise ConfigError(
-                        f"{path}:{n}: expected an object with a string 'text' or 'contents'"
-                    )
-                docs.append(row)
+        for n, row in read_jsonl_lines(path):
+            if not isinstance(row, Mapping) or not isinstance(
+                row.get("text", row.get("contents")), str
+            ):
+                raise ConfigError(
+                    f"{path}:{n}: expected an object with a string 'text' or 'contents'"
+                )
+            docs.append(row)
         return cls(docs, **kwargs)
 
     def __len__(self) -> int:
