@@ -10,6 +10,7 @@ format demonstrations: valid calls with random content). ``play`` is the episode
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
@@ -38,6 +39,23 @@ class HasCard(Protocol):
 
     @property
     def card(self) -> EnvCard: ...
+
+
+class _Demonstrates(Protocol):
+    def task(self, index: int, split: str = "train") -> Task: ...
+
+    def demonstration(self, task: Task, rng: random.Random) -> list[str]: ...
+
+
+def demonstration_corpus(spec: _Demonstrates, count: int) -> list[str]:
+    """Tokenizer text: the last opening message of ``count`` tasks of a ``corpus`` split,
+    each followed by its demonstration turns (seeded by the task's index)."""
+    lines: list[str] = []
+    for i in range(count):
+        task = spec.task(i, "corpus")
+        lines.append(str(task.prompt[-1]["content"]))
+        lines += spec.demonstration(task, random.Random(i))
+    return lines
 
 
 def replay(turns: Sequence[str], then: str = "") -> Policy:

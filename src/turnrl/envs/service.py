@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.card import EnvCard
-from turnrl.envs.policy import Policy
+from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.errors import ConfigError
 from turnrl.formats import error_observation, get_format
 from turnrl.protocols import ToolSchema
@@ -206,12 +206,7 @@ class Service:
         ]  # fmt: skip
 
     def corpus(self) -> list[str]:
-        lines = [POLICY]
-        for i in range(50):
-            task = self.task(i, "corpus")
-            lines.append(str(task.prompt[-1]["content"]))
-            lines += self.demonstration(task, random.Random(i))
-        return lines
+        return [POLICY, *demonstration_corpus(self, 50)]
 
     @property
     def card(self) -> EnvCard:

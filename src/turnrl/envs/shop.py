@@ -28,7 +28,7 @@ from typing import Any
 
 from turnrl.envs.card import EnvCard
 from turnrl.envs.games.game_env import GameEnv, Outcome
-from turnrl.envs.policy import Policy
+from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
 from turnrl.tools import SearchIndex, Tool, ToolSet
@@ -232,12 +232,7 @@ class Shop:
         ]
 
     def corpus(self) -> list[str]:
-        lines = [p.page() for p in self.products.values()]
-        for i in range(100):
-            task = self.task(i, "corpus")
-            lines.append(str(task.prompt[0]["content"]))
-            lines += self.demonstration(task, random.Random(i))
-        return lines
+        return [p.page() for p in self.products.values()] + demonstration_corpus(self, 100)
 
     @property
     def card(self) -> EnvCard:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.card import EnvCard
-from turnrl.envs.policy import Policy
+from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.envs.tool_env import ToolEnv
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
@@ -167,12 +167,7 @@ class ToolMath:
                 f"\\boxed{{{guess}}}"]  # fmt: skip
 
     def corpus(self) -> list[str]:
-        lines = []
-        for i in range(60):
-            task = self.task(i, "corpus")
-            lines.append(str(task.prompt[0]["content"]))
-            lines += self.demonstration(task, random.Random(i))
-        return lines
+        return demonstration_corpus(self, 60)
 
     @property
     def card(self) -> EnvCard:
