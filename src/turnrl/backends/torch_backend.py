@@ -6,6 +6,12 @@ with the cache. Each request has its own seed, so a sample does not depend on wh
 requests shared its batch. Log-probabilities are those of the distribution each token was
 drawn from (temperature applied, before top-p), which is what the learner recomputes.
 
+All torch work runs on one thread: ``run(program)`` drives an asyncio program (the
+episodes, their tools) on a helper thread while the calling thread serves its ``generate``
+calls. Torch's CPU thread pool belongs to the thread that uses it; a second thread doing
+torch work brings a second pool that competes with the first for the same cores
+(generation ran 2x slower from a worker thread than from the main thread, measured).
+
 Across turns, an episode's history is not encoded again: after each call the keys and
 values of every row are kept (``PrefixCache``, valid for one policy version), and a later
 request that extends a kept sequence runs only its new tokens.
@@ -14,15 +20,19 @@ request that extends a kept sequence runs only its new tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
 
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
 from turnrl.types import Completion, FinishReason, GenerationRequest
+
+T = TypeVar("T")
 
 MIN_SHARED_PREFIX = 8
 """Shortest common prompt prefix worth computing once for the whole batch."""
@@ -53,6 +63,7 @@ class TorchBackend:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._lock = threading.Lock()
         self.prefix_cache = PrefixCache(max_cached_tokens) if reuse_history else None
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None
 
     def _share(
         self, requests: Sequence[GenerationRequest], device: torch.device
@@ -138,9 +149,47 @@ class TorchBackend:
                 hits[i] = any(s in tail for s in r.stop_strings)
         return hits
 
+    def run(self, program: Coroutine[Any, Any, T]) -> T:
+        """Run the asyncio ``program`` to completion and return its result.
+
+        The program's event loop (episodes, tool calls) runs on a helper thread; this
+        thread computes every ``generate`` it asks for, so tools keep running during
+        generation and all torch work stays on the calling thread."""
+        if self._jobs is not None:
+            raise RuntimeError("TorchBackend.run is already running")
+        jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        outcome: dict[str, Any] = {}
+
+        def drive() -> None:
+            try:
+                outcome["value"] = asyncio.run(program)
+            except BaseException as exc:  # re-raised on the calling thread
+                outcome["error"] = exc
+            finally:
+                jobs.put(None)
+
+        self._jobs = jobs
+        helper = threading.Thread(target=drive, name="turnrl-episodes", daemon=True)
+        helper.start()
+        try:
+            while (job := jobs.get()) is not None:
+                job.serve(self.generate_sync)
+        finally:
+            self._jobs = None
+        helper.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]  # type: ignore[no-any-return]
+
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        """Sample every request; runs the torch work in a thread so tools keep running."""
-        return await asyncio.to_thread(self.generate_sync, requests)
+        """Sample every request. Inside ``run`` the calling thread of ``run`` computes it;
+        otherwise a worker thread does (slower on CPU, see the module docstring)."""
+        jobs = self._jobs
+        if jobs is None:
+            return await asyncio.to_thread(self.generate_sync, requests)
+        job = _Job(list(requests), asyncio.get_running_loop())
+        jobs.put(job)
+        return await job.future
 
     def generate_sync(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         out: list[Completion] = []
@@ -246,6 +295,35 @@ class TorchBackend:
             )
             for i in range(B)
         ]
+
+
+class _Job:
+    """One ``generate`` call handed from the episodes' event loop to the torch thread."""
+
+    def __init__(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop):
+        self.requests = requests
+        self.loop = loop
+        self.future: asyncio.Future[list[Completion]] = loop.create_future()
+
+    def serve(self, compute: Any) -> None:
+        try:
+            result = compute(self.requests)
+        except Exception as exc:
+            self._settle(None, exc)
+        else:
+            self._settle(result, None)
+
+    def _settle(self, result: list[Completion] | None, error: Exception | None) -> None:
+        def settle() -> None:
+            if self.future.done():  # the episode was cancelled meanwhile
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)  # type: ignore[arg-type]
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this
+            self.loop.call_soon_threadsafe(settle)
 
 
 def _padded(

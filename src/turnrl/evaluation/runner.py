@@ -256,7 +256,7 @@ def _run_local(
 
         await asyncio.gather(*(one(t, s) for t, s in todo))
 
-    asyncio.run(main())
+    backend.run(main())
 
 
 async def _run_remote(

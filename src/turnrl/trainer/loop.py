@@ -9,7 +9,6 @@ Everything a run produces goes into its run directory (DESIGN.md "The main job")
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -158,7 +157,7 @@ def train(
         def evaluate() -> Row:
             tasks = [spec.task(i, split="test") for i in range(config.eval.num_tasks)]
             eval_spec = GroupSpec(1, limits, sampling, seed=derive_seed(config.seed, "eval"))
-            groups = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, eval_spec))
+            groups = backend.run(collect_groups(tasks, spec.make_env, backend, renderer, eval_spec))
             metrics = rollout_metrics(groups)
             return {
                 "eval/success_mean": metrics["rollout/success_mean"],
@@ -384,7 +383,7 @@ def _collect(
             r.group_size, limits, sampling, seed=derive_seed(config.seed, step, *([rounds] if rounds else [])),
             policy_version=backend.policy_version,
         )  # fmt: skip
-        new = asyncio.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
+        new = backend.run(collect_groups(tasks, spec.make_env, backend, renderer, group_spec))
         sampled.extend(new)
         rounds += 1
         if algo.dynamic_sampling:

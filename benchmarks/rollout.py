@@ -1,0 +1,244 @@
+"""The rollout engine's cost curve: episodes and tokens per second as concurrency, turns
+and tool latency grow.
+
+A real tiny model (random weights, so it samples its whole turn budget) plays episodes of
+an environment whose every model turn is one call of a tool that sleeps a fixed time
+(0, 50 or 500 ms), or a random time (``jitter``: uniform 0-1 s) that desynchronises the
+episodes; after ``calls`` calls the episode ends. Everything else is the training path:
+``collect_groups`` -> ``BatchingClient`` -> ``TorchBackend`` (batched KV-cache sampling,
+history reused across turns).
+
+The latency target of the speed issue: with a 500 ms tool, 64 episodes that each make
+3 calls take at most 1.3 x (the same batch's time with an instant tool + 3 x 0.5 s).
+
+    python benchmarks/rollout.py
+    python benchmarks/rollout.py --quick          # fewer cells
+
+Writes benchmarks/results/rollout.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turnrl.backends.torch_backend import TorchBackend
+from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams
+from turnrl.rollout.groups import GroupSpec, collect_groups
+from turnrl.types import Message, StepResult, Task, ToolCallRecord
+
+ROOT = Path(__file__).resolve().parent
+
+
+class SleepyToolEnv:
+    """Each model turn is one call of a tool that takes ``latency`` seconds (or a random
+    0-2x``latency`` with ``jitter``); the episode ends after ``calls`` calls."""
+
+    def __init__(self, calls: int, latency: float, jitter: bool) -> None:
+        self.calls, self.latency, self.jitter = calls, latency, jitter
+        self.made = 0
+        self.rng = random.Random(0)
+
+    def tool_schemas(self) -> list[Any]:
+        return []
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    async def reset(self, task: Task, seed: int) -> list[Message]:
+        self.rng = random.Random(seed)
+        return list(task.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        if self.made >= self.calls:
+            return StepResult((), reward=0.0, terminated=True)
+        wait = self.rng.uniform(0, 2 * self.latency) if self.jitter else self.latency
+        t0 = time.perf_counter()
+        await asyncio.sleep(wait)
+        self.made += 1
+        record = ToolCallRecord("sleep", {"s": wait}, time.perf_counter() - t0, ok=True)
+        observation = ({"role": "tool", "content": f"call {self.made} done"},)
+        return StepResult(observation, reward=0.0, info={"tool_calls": [record]})
+
+
+def cell(
+    backend: TorchBackend,
+    renderer: ChatRenderer,
+    stops: tuple[int, ...],
+    *,
+    episodes: int,
+    calls: int,
+    latency: float,
+    jitter: bool,
+    tokens_per_turn: int,
+    seed: int,
+) -> dict[str, Any]:
+    """One batch of ``episodes`` concurrent episodes; wall time and throughput."""
+    tasks = [
+        Task(id=f"t{i}", prompt=({"role": "user", "content": f"Task number {i}: go."},))
+        for i in range(episodes)
+    ]
+    limits = EpisodeLimits(
+        max_turns=calls + 1, max_tokens_per_turn=tokens_per_turn,
+        max_episode_tokens=tokens_per_turn * (calls + 1), max_context_tokens=1024,
+    )  # fmt: skip
+    spec = GroupSpec(1, limits, SamplingParams(1.0, 1.0, stops), seed=seed)
+    backend.policy_version += 1  # a fresh cache: nothing from the previous cell is reused
+    t0 = time.perf_counter()
+    groups = asyncio.run(
+        collect_groups(tasks, lambda: SleepyToolEnv(calls, latency, jitter), backend,
+                       renderer, spec)
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    trajs = [t for g in groups for t in g]
+    errors = [t.error for t in trajs if t.error]
+    if errors:
+        raise RuntimeError(f"episodes failed: {errors[:3]}")
+    sampled = sum(t.num_completion_tokens for t in trajs)
+    return {
+        "episodes": episodes,
+        "calls": calls,
+        "latency_s": latency,
+        "jitter": jitter,
+        "wall_s": wall,
+        "episodes_per_s": episodes / wall,
+        "sampled_tokens_per_s": sampled / wall,
+        "sampled_tokens": sampled,
+        "turns_mean": statistics.mean(len(t.turns) for t in trajs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="default: a random tiny model")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens-per-turn", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "rollout")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or random_model(ROOT / "runs" / "rollout")
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    renderer, stops = ChatRenderer(tokenizer), stop_token_ids(tokenizer)
+    # Random weights must not stop early: every turn samples its whole budget.
+    stops = ()
+    concurrency = [1, 8, 64] if args.quick else [1, 4, 16, 64]
+    latencies = [0.0, 0.05, 0.5]
+    plan = [(c, k, lat, False) for c in concurrency for k in (1, 3) for lat in latencies]
+    plan += [(64, 3, 0.5, True)]
+    if not args.quick:
+        plan += [(64, 0, 0.0, False)]
+    results = []
+    for name, reuse in (("reuse", True), ("no_reuse", False)):
+        backend = TorchBackend(model, tokenizer, reuse_history=reuse)
+        cells = plan if reuse else [p for p in plan if p[0] == 64 and p[2] == 0.0]
+        cell(
+            backend,
+            renderer,
+            stops,
+            episodes=8,
+            calls=1,
+            latency=0.0,
+            jitter=False,
+            tokens_per_turn=args.tokens_per_turn,
+            seed=1,
+        )  # fmt: skip  (warm-up)
+        for c, k, lat, jit in cells:
+            runs = [
+                cell(backend, renderer, stops, episodes=c, calls=k, latency=lat, jitter=jit,
+                     tokens_per_turn=args.tokens_per_turn, seed=r)
+                for r in range(args.repeats)
+            ]  # fmt: skip
+            best = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]  # the median run
+            best["history_reuse"] = reuse
+            best["wall_s_runs"] = [r["wall_s"] for r in runs]
+            results.append(best)
+            print(f"{name:8s} episodes={c:3d} calls={k} latency={lat:.2f}{' jitter' if jit else ''}"
+                  f": {best['wall_s']:.2f} s, {best['episodes_per_s']:.1f} ep/s, "
+                  f"{best['sampled_tokens_per_s']:.0f} tok/s", flush=True)  # fmt: skip
+    write(args, results)
+
+
+def random_model(work: Path) -> Path:
+    """A random tiny model with the default tokenizer (built once, cached)."""
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    start = work / "random-model" / "start_model"
+    if not (start / "config.json").is_file():
+        overrides = ["steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
+        train(load_config("quickstart", overrides), work / "random-model", progress=False)
+    return start
+
+
+def _find(results: list[dict[str, Any]], **want: Any) -> dict[str, Any] | None:
+    return next((r for r in results if all(r[k] == v for k, v in want.items())), None)
+
+
+def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {args.threads} torch threads",
+        "torch": torch.__version__,
+        "tokens_per_turn": args.tokens_per_turn,
+        "repeats": args.repeats,
+    }
+    target = {}
+    instant = _find(results, episodes=64, calls=3, latency_s=0.0, history_reuse=True)
+    slow = _find(results, episodes=64, calls=3, latency_s=0.5, jitter=False, history_reuse=True)
+    if instant and slow:
+        bound = 1.3 * (instant["wall_s"] + 3 * 0.5)
+        target = {
+            "instant_s": instant["wall_s"],
+            "tool_500ms_s": slow["wall_s"],
+            "bound_s": bound,
+            "met": slow["wall_s"] <= bound,
+            "ratio_to_ideal": slow["wall_s"] / (instant["wall_s"] + 1.5),
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(
+        json.dumps({**meta, "latency_target": target, "cells": results}, indent=2)
+    )
+    lines = [
+        "# Rollout cost curve",
+        "",
+        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; random tiny model, "
+        f"{args.tokens_per_turn} sampled tokens per turn, each turn one tool call; median "
+        f"of {args.repeats} batches.",
+        "",
+        "| history reuse | episodes | calls | tool latency | wall s | episodes/s | sampled tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lat = f"{r['latency_s'] * 1000:.0f} ms" + (" (uniform 0-2x)" if r["jitter"] else "")
+        lines.append(
+            f"| {'yes' if r['history_reuse'] else 'no'} | {r['episodes']} | {r['calls']} | "
+            f"{lat} | {r['wall_s']:.2f} | {r['episodes_per_s']:.1f} | "
+            f"{r['sampled_tokens_per_s']:.0f} |"
+        )
+    if target:
+        lines += [
+            "",
+            f"Latency target (64 episodes x 3 calls of a 500 ms tool): {target['tool_500ms_s']:.2f} s "
+            f"against a bound of 1.3 x ({target['instant_s']:.2f} s + 1.5 s) = "
+            f"{target['bound_s']:.2f} s: **{'met' if target['met'] else 'missed'}** "
+            f"({target['ratio_to_ideal']:.2f}x the ideal).",
+        ]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""turnrl against TRL's GRPOTrainer, side by side, on the same tiny model and task.
+
+Both sides train the same checkpoint on the same prompts with the same batch shape
+(P prompts x G samples per step, temperature 1, one policy update per step, no KL):
+
+- ``single``: one turn, no tools, a randomly initialised tiny model (it samples up to
+  ``--single-tokens`` tokens; it almost never ends early);
+- ``multi``: the secret-lookup task with its ``lookup(key)`` tool, from the warm-up
+  checkpoint of the learning proof (it calls the tool, reads the answer, answers).
+
+Each side runs in its own process (TRL in its own virtualenv, made here if missing:
+``benchmarks/.venv-trl``), the two alternating, ``--repeats`` times each; every run takes
+``--warmup-steps`` untimed steps then ``--steps`` timed ones. Reported per case and side:
+median step time, generation time, generated tokens per second, completion length and
+tool calls (so the work is seen to be alike), peak resident memory; and the *floor*: the
+forward passes any KV-cached engine must run for the same batch shape (prefill, one decode
+step per token, prefill of each tool answer) plus one forward+backward over the final
+sequences, measured here with plain transformers in the same run.
+
+    python benchmarks/vs_trl.py                      # both cases, 3 repeats
+    python benchmarks/vs_trl.py --cases multi --repeats 1 --steps 3
+
+Writes benchmarks/results/vs_trl.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+TRL_VENV = ROOT / ".venv-trl"
+TRL_VERSION = "1.16.0"
+ENV_OPTIONS = {"num_keys": 2, "key_pool": 2, "num_values": 12}
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def ensure_trl_venv() -> Path:
+    """TRL's virtualenv with the same torch and transformers as this one."""
+    import transformers
+
+    python = TRL_VENV / "bin" / "python"
+    stamp = TRL_VENV / ".installed"
+    want = f"torch=={torch.__version__.split('+')[0]} transformers=={transformers.__version__} trl=={TRL_VERSION}"
+    if stamp.is_file() and stamp.read_text() == want:
+        return python
+    print(f"setting up {TRL_VENV}: {want}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *want.split()], check=True)
+    stamp.write_text(want)
+    return python
+
+
+def checkpoints(work: Path) -> dict[str, Path]:
+    """The random tiny model (single) and the learning proof's warm-up checkpoint (multi)."""
+    from presets import warmup_checkpoint
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    random_dir = work / "random-model"
+    start = random_dir / "start_model"
+    if not (start / "config.json").is_file():
+        shutil.rmtree(random_dir, ignore_errors=True)
+        overrides = ["steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
+        train(load_config("learning_proof", overrides), random_dir, progress=False)
+    return {"single": start, "multi": warmup_checkpoint(work, 0)}
+
+
+def write_tasks(path: Path, count: int) -> None:
+    """The secret-lookup tasks both sides read, in order (prompt messages, answer, table)."""
+    from turnrl.envs import make_env_spec
+
+    spec = make_env_spec("secret_lookup", **ENV_OPTIONS)
+    with path.open("w") as f:
+        for i in range(count):
+            task = spec.task(i)
+            row = {
+                "prompt": list(task.prompt),
+                "answer": task.answer,
+                "table": task.metadata["table"],
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+# --------------------------------------------------------------------------- turnrl's side
+
+
+def turnrl_side(spec: dict[str, Any], out: Path) -> None:
+    """GRPO steps through ``turnrl.trainer.loop.train`` (the path ``turnrl train`` runs)."""
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    multi = spec["case"] == "multi"
+    steps = spec["warmup_steps"] + spec["steps"]
+    overrides = [
+        f"seed={spec['seed']}", f"model.path={spec['model']}", "warmup.steps=0",
+        *(f"env.{k}={v}" for k, v in ENV_OPTIONS.items()),
+        f"env.tools_enabled={'true' if multi else 'false'}",
+        f"rollout.prompts_per_step={spec['prompts_per_step']}",
+        f"rollout.group_size={spec['group_size']}",
+        f"rollout.max_turns={spec['max_tool_calls'] + 1 if multi else 1}",
+        f"rollout.max_tokens_per_turn={spec['max_tokens_per_turn']}",
+        f"rollout.max_episode_tokens={spec['max_completion_length']}",
+        "algorithm.advantage=grpo", "algorithm.kl_coef=0", "algorithm.epochs=1",
+        f"algorithm.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
+        f"steps={steps}", "max_minutes=0", "save_every=1000000", "eval.every=1000000", "eval.num_tasks=1",
+        f"threads={spec['threads']}", f"log_groups={spec['prompts_per_step']}",
+    ]  # fmt: skip
+    run_dir = Path(spec["out_dir"])
+    shutil.rmtree(run_dir, ignore_errors=True)
+    result = train(load_config("quickstart", overrides), run_dir, progress=False)
+    rows = [r for r in result.rows if "perf/step_s" in r][spec["warmup_steps"] :]
+    shapes = _shapes(run_dir / "trajectories.jsonl", spec["warmup_steps"])
+    json.dump(
+        {
+            "side": "turnrl",
+            "step_s": [r["perf/step_s"] for r in rows],
+            "generate_s": [r["perf/rollout_s"] for r in rows],
+            "completion_tokens_mean": [r["rollout/completion_tokens_mean"] for r in rows],
+            "tool_calls_mean": [r["rollout/tool_calls_mean"] for r in rows],
+            "reward_mean": [r["rollout/reward_mean"] for r in rows],
+            "batch": spec["prompts_per_step"] * spec["group_size"],
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "shape": shapes,
+        },
+        out.open("w"),
+    )
+
+
+def _shapes(path: Path, skip_steps: int) -> dict[str, Any]:
+    """Mean token counts of the timed steps' episodes: the first prompt, each turn's
+    completion and each observation (what the floor replays)."""
+    prompt, completions, observations = [], [], []
+    for line in path.open():
+        row = json.loads(line)
+        if row["step"] <= skip_steps:
+            continue
+        turns = row["turns"]
+        prompt.append(len(turns[0]["prompt_ids"]))
+        for i, t in enumerate(turns):
+            completions.append((i, len(t["completion_ids"])))
+            if i > 0:
+                observations.append(len(t["prompt_ids"]))
+    episodes = len(prompt)
+    by_turn: dict[int, list[int]] = {}
+    for i, n in completions:
+        by_turn.setdefault(i, []).append(n)
+    return {
+        "prompt": round(statistics.mean(prompt)),
+        # Per turn: the mean length over every episode (0 for episodes that ended before).
+        "turns": [round(sum(v) / episodes) for _, v in sorted(by_turn.items())],
+        "observation": round(statistics.mean(observations)) if observations else 0,
+    }
+
+
+# --------------------------------------------------------------------------- the floor
+
+
+def floor_time(model_dir: Path, batch: int, shape: dict[str, Any], threads: int) -> float:
+    """Seconds for the work any cached engine must do: prefill the prompts, one decode
+    step per sampled token, prefill each observation; then one forward+backward over the
+    final sequences (a plain LM loss over all positions). Median of 3."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    turns = [n for n in shape["turns"] if n > 0]
+    total = shape["prompt"] + sum(turns) + shape["observation"] * (len(turns) - 1)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.eval()
+            cache = DynamicCache()
+            ids = torch.randint(0, vocab, (batch, shape["prompt"]))
+            for t, n in enumerate(turns):
+                if t > 0:
+                    ids = torch.randint(0, vocab, (batch, shape["observation"]))
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                for _ in range(n):
+                    probs = torch.softmax(out.logits[:, -1].float(), -1)
+                    tok = torch.multinomial(probs, 1)
+                    out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        model.train()
+        seqs = torch.randint(0, vocab, (batch, total))
+        loss = model(input_ids=seqs, labels=seqs).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    once()
+    return statistics.median(once() for _ in range(3))
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def run_side(python: str, side: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    spec_path = work / f"spec-{side}-{spec['case']}.json"
+    out = work / f"out-{side}-{spec['case']}.json"
+    spec_path.write_text(json.dumps(spec))
+    out.unlink(missing_ok=True)
+    script = ROOT / ("vs_trl_trl_side.py" if side == "trl" else "vs_trl.py")
+    args = [python, str(script), str(spec_path), str(out)]
+    if side == "turnrl":
+        args.insert(2, "--side")
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"{side} {spec['case']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over every timed step of every repeat."""
+    step = [s for r in runs for s in r["step_s"]]
+    gen = [s for r in runs for s in r["generate_s"]]
+    tokens = [t for r in runs for t in r["completion_tokens_mean"]]
+    batch = runs[0]["batch"]
+    tok_per_step = statistics.mean(tokens) * batch
+    return {
+        "step_s": statistics.median(step),
+        "step_s_per_repeat": [statistics.median(r["step_s"]) for r in runs],
+        "generate_s": statistics.median(gen),
+        "completion_tokens_mean": statistics.mean(tokens),
+        "tool_calls_mean": statistics.mean(t for r in runs for t in r["tool_calls_mean"]),
+        "generated_tokens_per_s": tok_per_step / statistics.median(gen),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+        "steps_timed": len(step),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=["single", "multi"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--single-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "vs_trl")
+    args = parser.parse_args()
+
+    work = ROOT / "runs" / "vs_trl"
+    work.mkdir(parents=True, exist_ok=True)
+    trl_python = str(ensure_trl_venv())
+    models = checkpoints(work)
+    write_tasks(work / "tasks.jsonl", args.prompts * (args.steps + args.warmup_steps) + 64)
+    results: dict[str, Any] = {}
+    for case in args.cases:
+        multi = case == "multi"
+        spec = {
+            "case": case, "model": str(models[case]), "tasks": str(work / "tasks.jsonl"),
+            "prompts_per_step": args.prompts, "group_size": args.group_size,
+            "max_tokens_per_turn": 48 if multi else args.single_tokens,
+            "max_completion_length": 96 if multi else args.single_tokens,
+            "max_tool_calls": 3, "steps": args.steps, "warmup_steps": args.warmup_steps,
+            "threads": args.threads, "seed": 0,
+        }  # fmt: skip
+        runs: dict[str, list[dict[str, Any]]] = {"turnrl": [], "trl": []}
+        for repeat in range(args.repeats):
+            for side, python in (("trl", trl_python), ("turnrl", sys.executable)):
+                one = {**spec, "out_dir": str(work / f"{side}-{case}-{repeat}")}
+                runs[side].append(run_side(python, side, one, work))
+                print(f"{case} {side} #{repeat}: step "
+                      f"{statistics.median(runs[side][-1]['step_s']):.3f} s", flush=True)  # fmt: skip
+        shape = runs["turnrl"][-1]["shape"]
+        floor = floor_time(models[case], args.prompts * args.group_size, shape, args.threads)
+        sides = {side: summarise(r) for side, r in runs.items()}
+        for s in sides.values():
+            s["over_floor"] = s["step_s"] / floor
+        results[case] = {
+            "floor_s": floor,
+            "floor_shape": shape,
+            "ratio_step_turnrl_over_trl": sides["turnrl"]["step_s"] / sides["trl"]["step_s"],
+            **sides,
+            "raw": runs,
+        }
+    write(args, results)
+
+
+def write(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    import transformers
+
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"threads, {platform.system()}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": TRL_VERSION,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({**meta, "cases": results}, indent=2))
+    lines = [
+        "# turnrl vs TRL GRPOTrainer",
+        "",
+        f"{meta['date']}, {meta['machine']}; torch {meta['torch']}, transformers "
+        f"{meta['transformers']}, TRL {TRL_VERSION}. {args.prompts} prompts x "
+        f"{args.group_size} samples per step, float32, CPU; medians over {args.repeats} "
+        f"alternating runs x {args.steps} timed steps per side.",
+        "",
+        "| case | side | step s | turnrl / TRL | generation s | gen tok/s | tokens/episode "
+        "| tool calls/episode | over floor | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case, r in results.items():
+        for side in ("trl", "turnrl"):
+            s = r[side]
+            ratio = f"**{r['ratio_step_turnrl_over_trl']:.2f}x**" if side == "turnrl" else ""
+            lines.append(
+                f"| {case} | {side} | {s['step_s']:.3f} | {ratio} | {s['generate_s']:.3f} | "
+                f"{s['generated_tokens_per_s']:.0f} | {s['completion_tokens_mean']:.1f} | "
+                f"{s['tool_calls_mean']:.2f} | {s['over_floor']:.2f}x | {s['peak_rss_mib']:.0f} |"
+            )
+        lines.append(
+            f"| {case} | floor | {r['floor_s']:.3f} | | | | shape {r['floor_shape']} | | 1.00x | |"
+        )
+    lines += [
+        "",
+        "Floor: the forward passes any KV-cached engine must run for the batch shape turnrl "
+        "sampled (prompt prefill, one decode step per token, each observation's prefill) "
+        "plus one forward+backward over the final sequences, with plain transformers.",
+        "TRL counts tool-answer tokens in its completion length; turnrl counts sampled "
+        "tokens only.",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--side":
+        turnrl_side(json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3]))
+    else:
+        main()
