@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from turnrl.backends.torch_backend import TorchBackend
-from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
+from turnrl.models.loading import load_model, load_tokenizer
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
@@ -83,10 +83,12 @@ def cell(
     jitter: bool,
     tokens_per_turn: int,
     seed: int,
+    preamble: str = "",
 ) -> dict[str, Any]:
-    """One batch of ``episodes`` concurrent episodes; wall time and throughput."""
+    """One batch of ``episodes`` concurrent episodes; wall time and throughput.
+    ``preamble``: text every prompt starts with (a long shared instruction)."""
     tasks = [
-        Task(id=f"t{i}", prompt=({"role": "user", "content": f"Task number {i}: go."},))
+        Task(id=f"t{i}", prompt=({"role": "user", "content": f"{preamble}Task number {i}: go."},))
         for i in range(episodes)
     ]
     limits = EpisodeLimits(
@@ -96,7 +98,7 @@ def cell(
     spec = GroupSpec(1, limits, SamplingParams(1.0, 1.0, stops), seed=seed)
     backend.policy_version += 1  # a fresh cache: nothing from the previous cell is reused
     t0 = time.perf_counter()
-    groups = asyncio.run(
+    groups = backend.run(
         collect_groups(tasks, lambda: SleepyToolEnv(calls, latency, jitter), backend,
                        renderer, spec)
     )  # fmt: skip
@@ -107,6 +109,8 @@ def cell(
         raise RuntimeError(f"episodes failed: {errors[:3]}")
     sampled = sum(t.num_completion_tokens for t in trajs)
     return {
+        "context": "long" if preamble else "short",
+        "prompt_tokens": statistics.mean(len(t.turns[0].prompt_ids) for t in trajs),
         "episodes": episodes,
         "calls": calls,
         "latency_s": latency,
@@ -124,16 +128,18 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="default: a random tiny model")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens-per-turn", type=int, default=16)
+    parser.add_argument("--stop-every", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "rollout")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or random_model(ROOT / "runs" / "rollout")
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
-    renderer, stops = ChatRenderer(tokenizer), stop_token_ids(tokenizer)
-    # Random weights must not stop early: every turn samples its whole budget.
-    stops = ()
+    renderer = ChatRenderer(tokenizer)
+    # A turn ends when the random model samples one of every ``--stop-every``-th token id
+    # (a geometric length, mean about that many tokens), capped at 4x that.
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    stops = tuple(range(0, vocab, args.stop_every))
     concurrency = [1, 8, 64] if args.quick else [1, 4, 16, 64]
     latencies = [0.0, 0.05, 0.5]
     plan = [(c, k, lat, False) for c in concurrency for k in (1, 3) for lat in latencies]
@@ -152,13 +158,13 @@ def main() -> None:
             calls=1,
             latency=0.0,
             jitter=False,
-            tokens_per_turn=args.tokens_per_turn,
+            tokens_per_turn=4 * args.stop_every,
             seed=1,
         )  # fmt: skip  (warm-up)
         for c, k, lat, jit in cells:
             runs = [
                 cell(backend, renderer, stops, episodes=c, calls=k, latency=lat, jitter=jit,
-                     tokens_per_turn=args.tokens_per_turn, seed=r)
+                     tokens_per_turn=4 * args.stop_every, seed=r)
                 for r in range(args.repeats)
             ]  # fmt: skip
             best = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]  # the median run
@@ -166,6 +172,7 @@ def main() -> None:
             best["wall_s_runs"] = [r["wall_s"] for r in runs]
             results.append(best)
             print(f"{name:8s} episodes={c:3d} calls={k} latency={lat:.2f}{' jitter' if jit else ''}"
+                  f"{' long' if pre else ''}"
                   f": {best['wall_s']:.2f} s, {best['episodes_per_s']:.1f} ep/s, "
                   f"{best['sampled_tokens_per_s']:.0f} tok/s", flush=True)  # fmt: skip
     write(args, results)
@@ -192,11 +199,13 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {args.threads} torch threads",
         "torch": torch.__version__,
-        "tokens_per_turn": args.tokens_per_turn,
+        "stop_every": args.stop_every,
         "repeats": args.repeats,
     }
     target = {}
-    instant = _find(results, episodes=64, calls=3, latency_s=0.0, history_reuse=True)
+    instant = _find(
+        results, episodes=64, calls=3, latency_s=0.0, history_reuse=True, context="short"
+    )
     slow = _find(results, episodes=64, calls=3, latency_s=0.5, jitter=False, history_reuse=True)
     if instant and slow:
         bound = 1.3 * (instant["wall_s"] + 3 * 0.5)
@@ -214,19 +223,22 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     lines = [
         "# Rollout cost curve",
         "",
-        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; random tiny model, "
-        f"{args.tokens_per_turn} sampled tokens per turn, each turn one tool call; median "
-        f"of {args.repeats} batches.",
+        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; random tiny model whose "
+        f"turn ends on any of 1/{args.stop_every} of the token ids (mean about "
+        f"{args.stop_every} tokens, at most {4 * args.stop_every}); each turn but the last "
+        f"is one tool call; median of {args.repeats} batches.",
         "",
-        "| history reuse | episodes | calls | tool latency | wall s | episodes/s | sampled tok/s |",
-        "|---|---|---|---|---|---|---|",
+        "| history reuse | prompt tokens | episodes | calls | tool latency | wall s | episodes/s "
+        "| sampled tok/s | turns/episode |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lat = f"{r['latency_s'] * 1000:.0f} ms" + (" (uniform 0-2x)" if r["jitter"] else "")
         lines.append(
-            f"| {'yes' if r['history_reuse'] else 'no'} | {r['episodes']} | {r['calls']} | "
+            f"| {'yes' if r['history_reuse'] else 'no'} | {r['prompt_tokens']:.0f} | "
+            f"{r['episodes']} | {r['calls']} | "
             f"{lat} | {r['wall_s']:.2f} | {r['episodes_per_s']:.1f} | "
-            f"{r['sampled_tokens_per_s']:.0f} |"
+            f"{r['sampled_tokens_per_s']:.0f} | {r['turns_mean']:.1f} |"
         )
     if target:
         lines += [

@@ -1,10 +1,12 @@
-"""A batched sampler for a Hugging Face causal LM, in torch, with a KV cache.
+"""A sampler for a Hugging Face causal LM, in torch, with a KV cache and continuous
+batching.
 
-One ``generate`` call takes a batch of requests from many episodes (left-padded into one
-tensor), prefills them in one forward pass, then decodes one token per step for all rows
-with the cache. Each request has its own seed, so a sample does not depend on which other
-requests shared its batch. Log-probabilities are those of the distribution each token was
-drawn from (temperature applied, before top-p), which is what the learner recomputes.
+Requests from many episodes decode together in one running batch (``engine.DecodeBatch``):
+new requests are prefilled and join at the next step, finished rows leave at once, so an
+episode back from a tool call never waits for the rest of a batch. Each request has its
+own seed, so a sample does not depend on which other requests shared its steps.
+Log-probabilities are those of the distribution each token was drawn from (temperature
+applied, before top-p), which is what the learner recomputes.
 
 All torch work runs on one thread: ``run(program)`` drives an asyncio program (the
 episodes, their tools) on a helper thread while the calling thread serves its ``generate``
@@ -23,14 +25,16 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Coroutine, Sequence
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
 
+from turnrl.backends.engine import DecodeBatch, Waiter
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
-from turnrl.types import Completion, FinishReason, GenerationRequest
+from turnrl.types import Completion, GenerationRequest
 
 T = TypeVar("T")
 
@@ -115,46 +119,12 @@ class TorchBackend:
             attn[i, width - n : width] = 1
         return input_ids.to(device), attn.to(device), past, width
 
-    def _store(
-        self,
-        requests: Sequence[GenerationRequest],
-        tokens: Sequence[Sequence[int]],
-        past: Any,
-        attn: torch.Tensor,
-    ) -> None:
-        """Keep each row's keys and values (the real positions of the batch cache: its
-        prompt and every sampled token that was fed back, i.e. all but the last)."""
-        assert self.prefix_cache is not None
-        kept = attn[:, : past.get_seq_length()].bool()
-        for i, (r, out) in enumerate(zip(requests, tokens, strict=True)):
-            seq = (*r.prompt_ids, *out[:-1])
-            rows = kept[i].nonzero().squeeze(-1)
-            if len(rows) != len(seq):  # not the expected layout: do not guess
-                continue
-            layers = [
-                (layer.keys[i][:, rows].clone(), layer.values[i][:, rows].clone())
-                for layer in past.layers
-            ]
-            self.prefix_cache.put(seq, layers)
-
-    def _stop_strings(
-        self, requests: Sequence[GenerationRequest], tokens: torch.Tensor, lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows whose recent text contains one of their stop strings."""
-        hits = torch.zeros(len(requests), dtype=torch.bool, device=tokens.device)
-        for i, r in enumerate(requests):
-            if r.stop_strings:
-                n = int(lengths[i])
-                tail = self.tokenizer.decode(tokens[i, max(0, n - 16) : n].tolist())
-                hits[i] = any(s in tail for s in r.stop_strings)
-        return hits
-
     def run(self, program: Coroutine[Any, Any, T]) -> T:
         """Run the asyncio ``program`` to completion and return its result.
 
         The program's event loop (episodes, tool calls) runs on a helper thread; this
-        thread computes every ``generate`` it asks for, so tools keep running during
-        generation and all torch work stays on the calling thread."""
+        thread serves every ``generate`` it asks for with continuous batching, so tools
+        keep running during generation and all torch work stays on the calling thread."""
         if self._jobs is not None:
             raise RuntimeError("TorchBackend.run is already running")
         jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -170,160 +140,182 @@ class TorchBackend:
 
         self._jobs = jobs
         helper = threading.Thread(target=drive, name="turnrl-episodes", daemon=True)
-        helper.start()
-        try:
-            while (job := jobs.get()) is not None:
-                job.serve(self.generate_sync)
-        finally:
-            self._jobs = None
+        with self._lock, _eval_mode(self.model):
+            helper.start()
+            try:
+                self._serve(jobs)
+            finally:
+                self._jobs = None
         helper.join()
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]  # type: ignore[no-any-return]
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        """Sample every request. Inside ``run`` the calling thread of ``run`` computes it;
-        otherwise a worker thread does (slower on CPU, see the module docstring)."""
-        jobs = self._jobs
-        if jobs is None:
-            return await asyncio.to_thread(self.generate_sync, requests)
-        job = _Job(list(requests), asyncio.get_running_loop())
-        jobs.put(job)
-        return await job.future
-
-    def generate_sync(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        out: list[Completion] = []
-        with self._lock:
-            for start in range(0, len(requests), self.max_batch_size):
-                out.extend(self._generate_batch(requests[start : start + self.max_batch_size]))
-        return out
-
-    @torch.no_grad()
-    def _generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        if not requests:
-            return []
+    def _prefill_inputs(
+        self, requests: Sequence[GenerationRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
+        """The inputs of one prefill forward for ``requests``: a kept history is reused
+        where one exists, else the batch's common prompt prefix runs once."""
         device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return self._decode(requests, device)
-        finally:
-            self.model.train(was_training)
-
-    def _decode(
-        self, requests: Sequence[GenerationRequest], device: torch.device
-    ) -> list[Completion]:
-        B = len(requests)
-        lengths = [len(r.prompt_ids) for r in requests]
-        if min(lengths) == 0:
-            raise ValueError("a generation request has an empty prompt")
-        hits: list[tuple[int, list[LayerKV]] | None] = [None] * B
+        hits: list[tuple[int, list[LayerKV]] | None] = [None] * len(requests)
         if self.prefix_cache is not None:
             self.prefix_cache.sync(self.policy_version)
             hits = [self.prefix_cache.longest_prefix(r.prompt_ids) for r in requests]
         if any(h is not None for h in hits):
-            input_ids, attn, past, cached = self._reuse(requests, hits, device)
-        else:
-            input_ids, attn, past, cached = self._share(requests, device)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+            return self._reuse(requests, hits, device)
+        return self._share(requests, device)
 
-        # Each request draws its uniforms from its own seed: a sample does not depend on
-        # which other requests share the batch. Inverse-CDF sampling, vectorised over rows.
-        budgets = torch.tensor([max(0, r.max_new_tokens) for r in requests])
-        max_new = int(budgets.max())
-        uniforms = torch.stack(
-            [torch.rand(max_new, generator=torch.Generator().manual_seed(r.seed)) for r in requests]
-        ).to(device)
-        temps = torch.tensor([r.temperature for r in requests], device=device)[:, None]
-        top_ps = torch.tensor([r.top_p for r in requests], device=device)[:, None]
-        stop_table = torch.zeros((B, self.vocab_size), dtype=torch.bool, device=device)
-        for i, r in enumerate(requests):
-            stop_table[i, [t for t in r.stop_token_ids if 0 <= t < self.vocab_size]] = True
-        out_tokens = torch.full((B, max_new), self.pad_id, dtype=torch.long, device=device)
-        out_logps = torch.zeros((B, max_new), device=device)
-        lengths_out = torch.zeros(B, dtype=torch.long, device=device)
-        stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        live = budgets.to(device) > 0
-        rows = torch.arange(B, device=device)
+    def _keep_history(
+        self, request: GenerationRequest, tokens: list[int], layers: list[LayerKV]
+    ) -> None:
+        """Keep a finished row's keys and values (its prompt and every sampled token that
+        was fed back, i.e. all but the last) for the episode's next turn."""
+        assert self.prefix_cache is not None
+        self.prefix_cache.put((*request.prompt_ids, *tokens[:-1]), layers)
 
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=past,
-            use_cache=True,
+    def _new_batch(self) -> DecodeBatch:
+        return DecodeBatch(
+            self.model,
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            prefill=self._prefill_inputs,
+            store=self._keep_history if self.prefix_cache is not None else None,
         )
-        past = out.past_key_values
-        next_pos = positions[:, -1:] + 1
-        for step in range(max_new):
-            logits = out.logits[:, -1, :].float()
-            tok, logp = _sample(logits, temps, top_ps, uniforms[:, step])
-            tok = torch.where(live, tok, self.pad_id)
-            out_tokens[:, step] = tok
-            out_logps[:, step] = torch.where(live, logp, 0.0)
-            lengths_out += live.long()
-            hit_stop = live & stop_table[rows, tok]
-            if any(r.stop_strings for r in requests):
-                hit_stop |= live & self._stop_strings(requests, out_tokens, lengths_out)
-            stopped |= hit_stop
-            live = live & ~hit_stop & (lengths_out < budgets.to(device))
-            if not bool(live.any()):
-                break
-            attn = torch.cat([attn, live[:, None].long()], dim=1)
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=next_pos,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
-            next_pos = next_pos + 1
 
-        n_out = lengths_out.tolist()
-        tokens = [out_tokens[i, : n_out[i]].tolist() for i in range(B)]
-        if self.prefix_cache is not None:
-            self._store(requests, tokens, past, attn)
-        logps = [out_logps[i, : n_out[i]].tolist() for i in range(B)]
-        finish: list[FinishReason] = ["stop" if s else "length" for s in stopped.tolist()]
-        return [
-            Completion(
-                token_ids=tuple(tokens[i]),
-                logprobs=tuple(logps[i]),
-                finish_reason=finish[i],
-                text=self.tokenizer.decode(tokens[i], skip_special_tokens=False),
-            )
-            for i in range(B)
-        ]
-
-
-class _Job:
-    """One ``generate`` call handed from the episodes' event loop to the torch thread."""
-
-    def __init__(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop):
-        self.requests = requests
-        self.loop = loop
-        self.future: asyncio.Future[list[Completion]] = loop.create_future()
-
-    def serve(self, compute: Any) -> None:
+    def _drive(self, batch: DecodeBatch, waiting: deque[tuple[GenerationRequest, Waiter]]) -> None:
+        """Admit waiting requests while there is room, then take one decode step. On a
+        failure every row in flight and every admitted request gets the error."""
+        taken: list[tuple[GenerationRequest, Waiter]] = []
         try:
-            result = compute(self.requests)
+            room = self.max_batch_size - len(batch)
+            while waiting and room > 0:
+                taken.append(waiting.popleft())
+                room -= 1
+            if taken:
+                batch.admit(taken)
+            batch.step()
         except Exception as exc:
-            self._settle(None, exc)
-        else:
-            self._settle(result, None)
+            for waiter in [w for _, w in taken] + [row.waiter for row in batch.rows]:
+                waiter.fail(exc)
+            batch.clear()
 
-    def _settle(self, result: list[Completion] | None, error: Exception | None) -> None:
+    @torch.no_grad()
+    def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        """Serve ``jobs`` until the program ends (a None in the queue): every step admits
+        what has arrived since the last one (continuous batching)."""
+        batch = self._new_batch()
+        waiting: deque[tuple[GenerationRequest, Waiter]] = deque()
+        ended = False
+        while not ended or batch or waiting:
+            block = not batch and not waiting
+            try:
+                job = jobs.get(block=block)
+                while True:
+                    if job is None:
+                        ended = True
+                    else:
+                        waiting.extend(job.items)
+                    job = jobs.get_nowait()
+            except queue.Empty:
+                pass
+            if batch or waiting:
+                self._drive(batch, waiting)
+
+    def submit(
+        self, requests: Sequence[GenerationRequest]
+    ) -> list[asyncio.Future[Completion]] | None:
+        """Hand ``requests`` to the running batch and return one future each, settled as
+        soon as that request's completion is done; None outside ``run`` (then use
+        ``generate``). Call from the event loop ``run`` is driving."""
+        jobs = self._jobs
+        if jobs is None:
+            return None
+        job = _Job(requests, asyncio.get_running_loop())
+        jobs.put(job)
+        return [waiter.future for _, waiter in job.items]
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        """Sample every request. Inside ``run`` the calling thread of ``run`` computes it
+        (continuous batching); otherwise a worker thread does (slower on CPU, see the
+        module docstring)."""
+        futures = self.submit(requests)
+        if futures is None:
+            return await asyncio.to_thread(self.generate_sync, requests)
+        return list(await asyncio.gather(*futures))
+
+    def generate_sync(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        """Sample every request on this thread; at most ``max_batch_size`` rows decode at
+        once, and a waiting request takes the place of one that finished."""
+        waiters = [_Collect() for _ in requests]
+        with self._lock, torch.no_grad(), _eval_mode(self.model):
+            batch = self._new_batch()
+            waiting: deque[tuple[GenerationRequest, Waiter]] = deque(
+                zip(requests, waiters, strict=True)
+            )
+            while batch or waiting:
+                self._drive(batch, waiting)
+        for waiter in waiters:
+            if waiter.error is not None:
+                raise waiter.error
+        return [w.result for w in waiters if w.result is not None]
+
+
+class _Collect:
+    """Where ``generate_sync`` gets one request's completion or error."""
+
+    def __init__(self) -> None:
+        self.result: Completion | None = None
+        self.error: Exception | None = None
+
+    def deliver(self, completion: Completion) -> None:
+        self.result = completion
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+
+
+class _Pending:
+    """One request of a ``_Job``: settles its future on the event loop that waits for it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[Completion] = loop.create_future()
+
+    def deliver(self, completion: Completion) -> None:
+        self._settle(lambda: self.future.set_result(completion))
+
+    def fail(self, error: Exception) -> None:
+        self._settle(lambda: self.future.set_exception(error))
+
+    def _settle(self, action: Callable[[], None]) -> None:
         def settle() -> None:
-            if self.future.done():  # the episode was cancelled meanwhile
-                return
-            if error is not None:
-                self.future.set_exception(error)
-            else:
-                self.future.set_result(result)  # type: ignore[arg-type]
+            if not self.future.done():  # the episode may have been cancelled meanwhile
+                action()
 
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this
             self.loop.call_soon_threadsafe(settle)
+
+
+class _Job:
+    """Requests handed from the episodes' event loop to the torch thread."""
+
+    def __init__(
+        self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.items: list[tuple[GenerationRequest, _Pending]] = [
+            (r, _Pending(loop)) for r in requests
+        ]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """The model in eval mode (no dropout) for sampling, restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _padded(
@@ -349,31 +341,3 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     while n < limit and all(p[n] == first[n] for p in prompts):
         n += 1
     return n
-
-
-def _sample(
-    logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` [B, V] by inverse CDF with uniforms ``u`` [B].
-
-    Returns the tokens and their log-probs under the temperature-scaled distribution
-    (before top-p truncation). Temperature 0 is greedy; its log-prob is at temperature 1.
-    """
-    greedy = temps <= 0.0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps), dim=-1)
-    probs = logprobs.exp()
-    if bool((top_ps < 1.0).any()):
-        probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        probs = torch.where((probs.cumsum(-1) - probs) < top_ps, probs, 0.0)
-    else:
-        order = None
-    cdf = probs.cumsum(-1)
-    target = (u[:, None] * cdf[:, -1:]).clamp(max=cdf[:, -1:] * (1 - 1e-7))
-    tok = torch.searchsorted(cdf, target).clamp(max=logits.shape[-1] - 1)
-    if order is not None:
-        tok = order.gather(-1, tok)
-    tok = tok.squeeze(-1)
-    if bool(greedy.any()):
-        tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), tok)
-    return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)

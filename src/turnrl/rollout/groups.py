@@ -24,7 +24,9 @@ class BatchingClient:
 
     A batch is sent as soon as every live episode is waiting for the model, or when the
     others stop making progress (they wait on a slow tool), so a slow tool delays nobody.
-    Requests inside a batch are ordered by arrival.
+    Requests inside a batch are ordered by arrival. A backend with ``submit`` (continuous
+    batching, ``TorchBackend.run``) answers each request as soon as it is done; others
+    answer a batch at once.
     """
 
     def __init__(self, backend: Backend, *, patience: int = 64) -> None:
@@ -52,6 +54,19 @@ class BatchingClient:
             await asyncio.sleep(0)
             idle = 0 if len(self._pending) > before else idle + 1
         batch, self._pending = self._pending, []
+        submit = getattr(self.backend, "submit", None)
+        futures = submit([r for r, _ in batch]) if submit is not None else None
+        if futures is not None:  # a continuous-batching backend settles each on its own
+            for (_, future), done in zip(batch, futures, strict=True):
+                _chain(done, future)
+        else:
+            await self._generate(batch)
+        if self._pending:
+            self._flusher = asyncio.create_task(self._flush())
+
+    async def _generate(
+        self, batch: list[tuple[GenerationRequest, asyncio.Future[Completion]]]
+    ) -> None:
         try:
             completions = await self.backend.generate([r for r, _ in batch])
             if len(completions) != len(batch):
@@ -66,8 +81,22 @@ class BatchingClient:
             for (_, future), completion in zip(batch, completions, strict=True):
                 if not future.done():
                     future.set_result(completion)
-        if self._pending:
-            self._flusher = asyncio.create_task(self._flush())
+
+
+def _chain(source: asyncio.Future[Completion], target: asyncio.Future[Completion]) -> None:
+    """Settle ``target`` like ``source`` when it settles."""
+
+    def copy(done: asyncio.Future[Completion]) -> None:
+        if target.done():
+            return
+        if done.cancelled():
+            target.cancel()
+        elif done.exception() is not None:
+            target.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
 
 
 @dataclass(frozen=True)
