@@ -142,38 +142,32 @@ def main() -> None:
     stops = tuple(range(0, vocab, args.stop_every))
     concurrency = [1, 8, 64] if args.quick else [1, 4, 16, 64]
     latencies = [0.0, 0.05, 0.5]
-    plan = [(c, k, lat, False) for c in concurrency for k in (1, 3) for lat in latencies]
-    plan += [(64, 3, 0.5, True)]
-    if not args.quick:
-        plan += [(64, 0, 0.0, False)]
+    plan = [(c, k, lat, False, "") for c in concurrency for k in (1, 3) for lat in latencies]
+    plan += [(64, 3, 0.5, True, "")]
+    # A long shared instruction (~600 tokens): what re-encoding the history costs.
+    long = "Read the rules below before you start. " + "Each call returns a short note. " * 100
+    plan += [(64, 3, 0.0, False, long)]
     results = []
     for name, reuse in (("reuse", True), ("no_reuse", False)):
         backend = TorchBackend(model, tokenizer, reuse_history=reuse)
         cells = plan if reuse else [p for p in plan if p[0] == 64 and p[2] == 0.0]
-        cell(
-            backend,
-            renderer,
-            stops,
-            episodes=8,
-            calls=1,
-            latency=0.0,
-            jitter=False,
-            tokens_per_turn=4 * args.stop_every,
-            seed=1,
-        )  # fmt: skip  (warm-up)
-        for c, k, lat, jit in cells:
+        turn = 4 * args.stop_every
+        # warm-up
+        cell(backend, renderer, stops, episodes=8, calls=1, latency=0.0, jitter=False,
+             tokens_per_turn=turn, seed=1)  # fmt: skip
+        for c, k, lat, jit, pre in cells:
             runs = [
                 cell(backend, renderer, stops, episodes=c, calls=k, latency=lat, jitter=jit,
-                     tokens_per_turn=4 * args.stop_every, seed=r)
+                     tokens_per_turn=turn, seed=r, preamble=pre)
                 for r in range(args.repeats)
             ]  # fmt: skip
             best = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]  # the median run
             best["history_reuse"] = reuse
             best["wall_s_runs"] = [r["wall_s"] for r in runs]
             results.append(best)
-            print(f"{name:8s} episodes={c:3d} calls={k} latency={lat:.2f}{' jitter' if jit else ''}"
-                  f"{' long' if pre else ''}"
-                  f": {best['wall_s']:.2f} s, {best['episodes_per_s']:.1f} ep/s, "
+            label = f"{name} episodes={c} calls={k} latency={lat:.2f}"
+            label += (" jitter" if jit else "") + (" long" if pre else "")
+            print(f"{label}: {best['wall_s']:.2f} s, {best['episodes_per_s']:.1f} ep/s, "
                   f"{best['sampled_tokens_per_s']:.0f} tok/s", flush=True)  # fmt: skip
     write(args, results)
 
