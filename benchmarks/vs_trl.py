@@ -117,7 +117,7 @@ def turnrl_side(spec: dict[str, Any], out: Path) -> None:
         "algorithm.advantage=grpo", "algorithm.kl_coef=0", "algorithm.epochs=1",
         f"algorithm.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
         f"steps={steps}", "max_minutes=0", "save_every=1000000", "eval.every=1000000", "eval.num_tasks=1",
-        f"threads={spec['threads']}", f"log_groups={spec['prompts_per_step']}",
+        f"threads={spec['threads']}",
     ]  # fmt: skip
     run_dir = Path(spec["out_dir"])
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -19,9 +19,11 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.forward import pack_rows, token_logprobs
 from turnrl.trainer.learner import (
     MIN_SHARED_PREFIX,
     Learner,
+    auto_token_budget,
     common_prefix_length,
     hidden_states,
 )
@@ -434,3 +436,97 @@ def test_the_critic_learns_the_returns_and_leaves_the_policy_alone(
         assert torch.equal(param, before[name]), name
     assert learner.critic is not None
     assert (learner.critic.trunk is learner.model) == (critic == "head")
+
+
+def test_packed_sequences_give_the_padded_log_probs_and_gradients(
+    model: Any, tokenizer: Any
+) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=3, group=3)
+    # Cut the tails of some rows: lengths from the full width down to about half of it.
+    width = batch.input_ids.shape[1]
+    for i in range(1, batch.num_sequences, 2):
+        cut = width // 2 + i
+        batch.attention_mask[i, cut:] = 0
+        batch.loss_mask[i, cut:] = False
+    rows = pack_rows(batch.input_ids, batch.attention_mask)
+    assert rows.input_ids.shape[0] < batch.num_sequences  # fewer rows than sequences
+    assert rows.input_ids.numel() < batch.input_ids.numel()  # less padding
+    assert batch.loss_mask.sum() > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    outs = {}
+    for packed in (False, True):
+        logp, ent = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0,
+            entropy_grad=True, packed=packed,
+        )  # fmt: skip
+        grads = torch.autograd.grad((logp * batch.advantages).sum() + ent.sum(), params)
+        outs[packed] = (logp.detach(), ent.detach(), grads)
+    assert torch.allclose(outs[True][0], outs[False][0], atol=1e-5)
+    assert torch.allclose(outs[True][1], outs[False][1], atol=1e-5)
+    for a, b in zip(outs[False][2], outs[True][2], strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max() + 1e-8
+
+
+def test_a_packed_learner_step_is_the_padded_one(model: Any, tokenizer: Any) -> None:
+    batch = skewed(rollout_batch(model, tokenizer, tasks=2, group=3))
+    options = {"kl_coef": 0.5, "loss_reduction": "seq_mean_token_mean"}
+    padded = grads_after_step(copy.deepcopy(model), batch, **options)
+    packed = grads_after_step(copy.deepcopy(model), batch, pack_sequences=True, **options)
+    for name in padded:
+        assert torch.allclose(padded[name], packed[name], atol=1e-5), name
+
+
+def test_micro_batches_respect_the_token_budget(model: Any) -> None:
+    lengths = [50, 10, 30, 10, 45, 20, 5]
+    for pack_sequences in (False, True):
+        config = AlgorithmConfig(
+            micro_batch_size=3, micro_batch_tokens=90, pack_sequences=pack_sequences
+        )
+        learner = Learner(model, config, temperature=1.0)
+        parts = learner._parts(lengths)
+        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+        for part in parts:
+            assert len(part) <= 3
+            cost = (
+                sum(lengths[i] for i in part)
+                if pack_sequences
+                else len(part) * max(lengths[i] for i in part)
+            )
+            assert cost <= 90 or len(part) == 1
+    too_long = Learner(model, AlgorithmConfig(micro_batch_tokens=8), temperature=1.0)
+    assert too_long._parts([20, 30]) == [[0], [1]]  # a sequence over budget runs alone
+
+
+def test_the_default_token_budget_follows_free_memory(model: Any) -> None:
+    assert auto_token_budget(model) == 0  # on CPU: no budget, micro_batch_size alone
+    small = auto_token_budget(model, free_bytes=1 << 30)
+    large = auto_token_budget(model, free_bytes=8 << 30)
+    assert 256 <= small < large
+    assert abs(large / small - 8) < 0.01
+    learner = Learner(model, AlgorithmConfig(micro_batch_tokens=1234), temperature=1.0)
+    assert learner.token_budget == 1234
+
+
+def test_a_token_budget_gives_the_same_gradient(model: Any, tokenizer: Any) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=3)
+    samples = [
+        Sample(
+            input_ids=tuple(batch.input_ids[i, : int(n)].tolist()),
+            loss_mask=tuple(batch.loss_mask[i, : int(n)].tolist()),
+            logprobs=tuple(batch.old_logprobs[i, : int(n)].tolist()),
+        )
+        for i, n in enumerate(batch.attention_mask.sum(-1))
+    ]
+    advantages = [float(batch.advantages[i, 0]) for i in range(len(samples))]
+
+    def grads(**options: Any) -> dict[str, torch.Tensor]:
+        m = copy.deepcopy(model)
+        learner = Learner(m, AlgorithmConfig(lr=1e-3, **options), temperature=1.0)
+        learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
+        learner.step_samples(samples, advantages, pad_id=0)
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    whole = grads()
+    budgeted = grads(micro_batch_tokens=2 * max(len(s.input_ids) for s in samples))
+    for name in whole:
+        assert torch.allclose(whole[name], budgeted[name], atol=1e-6), name

@@ -199,7 +199,7 @@ class TorchBackend:
                 waiter.fail(exc)
             batch.clear()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         """Serve ``jobs`` until the program ends (a None in the queue): every step admits
         what has arrived since the last one (continuous batching)."""
@@ -247,7 +247,7 @@ class TorchBackend:
         """Sample every request on this thread; at most ``max_batch_size`` rows decode at
         once, and a waiting request takes the place of one that finished."""
         waiters = [_Collect() for _ in requests]
-        with self._lock, torch.no_grad(), _eval_mode(self.model):
+        with self._lock, torch.inference_mode(), _eval_mode(self.model):
             batch = self._new_batch()
             waiting: deque[tuple[GenerationRequest, Waiter]] = deque(
                 zip(requests, waiters, strict=True)

@@ -158,7 +158,14 @@ class AlgorithmConfig:
     epochs: int = 1
     """Optimizer steps per rollout batch (PPO epochs); the first is on-policy."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward; gradients accumulate to the whole batch."""
+    """Sequences per forward/backward at most; gradients accumulate to the whole batch."""
+    micro_batch_tokens: int = 0
+    """Tokens per forward/backward at most, padding included (packed: real tokens); a
+    micro-batch holds at least one sequence. 0 picks a budget from the free accelerator
+    memory on CUDA and sets none on CPU (``micro_batch_size`` alone)."""
+    pack_sequences: bool = False
+    """Run the learner's forward passes on sequences packed back to back (no padding, no
+    shared-prefix reuse) instead of right-padded rows with the common prefix run once."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more
     prompts (up to ``max_sample_rounds`` rounds per step) to fill the batch."""
@@ -317,6 +324,7 @@ class Config:
             (self.rollout.temperature > 0.0, "rollout.temperature must be > 0 for training"),
             (self.algorithm.lr > 0.0, "algorithm.lr must be > 0"),
             (self.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size must be >= 1"),
+            (self.algorithm.micro_batch_tokens >= 0, "algorithm.micro_batch_tokens must be >= 0"),
             (0.0 <= self.algorithm.eps_low < 1.0, "algorithm.eps_low must be in [0, 1)"),
             (self.algorithm.eps_high >= 0.0, "algorithm.eps_high must be >= 0"),
             (self.algorithm.kl_coef >= 0.0, "algorithm.kl_coef must be >= 0"),

@@ -1,8 +1,10 @@
 """Forward passes the learner and the critic share: hidden states of right-padded rows,
-with a batch's common prefix computed once, and per-token log-probs and entropies."""
+with a batch's common prefix computed once, or of the same sequences packed back to back
+(no padding), and per-token log-probs and entropies."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
     if shared < MIN_SHARED_PREFIX:
         return model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
     head = model.base_model(
         input_ids=input_ids[:1, :shared], attention_mask=attention_mask[:1, :shared], use_cache=True
@@ -48,6 +50,66 @@ def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     return torch.cat([head.last_hidden_state.expand(rows, -1, -1), tail], dim=1)
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """Sequences of a right-padded batch laid back to back in fewer rows.
+
+    ``position_ids`` restart at 0 where each sequence starts, which is how transformers
+    tells packed sequences apart: attention stays within a sequence. ``index[b, t]`` is
+    the flat position (``row * width + column``) of token ``t`` of sequence ``b``.
+    """
+
+    input_ids: torch.Tensor  # [R, W]
+    position_ids: torch.Tensor  # [R, W]
+    index: torch.Tensor  # [B, T] long
+
+
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0, width: int = 0
+) -> PackedRows:
+    """Pack the sequences of a right-padded batch back to back into rows ``width`` tokens
+    wide, first-fit by decreasing length. The default width is the one (1, 1.5, 2, 3 or
+    4 times the longest sequence) that needs the fewest cells, the narrowest on a tie, so
+    packing never costs more cells than padding. A row's unused tail is padding that forms
+    its own sequence (positions from 0), so no real token attends to it."""
+    lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
+    longest = max(lengths)
+    if width:
+        width = max(width, longest)
+        fill, place = _first_fit(lengths, width)
+    else:
+        options = [_first_fit(lengths, int(f * longest)) for f in (1, 1.5, 2, 3, 4)]
+        widths = [int(f * longest) for f in (1, 1.5, 2, 3, 4)]
+        best = min(range(len(options)), key=lambda k: (len(options[k][0]) * widths[k], k))
+        (fill, place), width = options[best], widths[best]
+    device = input_ids.device
+    packed = torch.full((len(fill), width), pad_id, dtype=input_ids.dtype, device=device)
+    positions = torch.zeros((len(fill), width), dtype=torch.long, device=device)
+    index = torch.zeros(input_ids.shape, dtype=torch.long, device=device)
+    for i, (row, start) in place.items():
+        n = lengths[i]
+        packed[row, start : start + n] = input_ids[i, :n]
+        positions[row, start : start + n] = torch.arange(n, device=device)
+        index[i, :n] = row * width + start + torch.arange(n, device=device)
+    for row, used in enumerate(fill):
+        positions[row, used:] = torch.arange(width - used, device=device)
+    return PackedRows(packed, positions, index)
+
+
+def _first_fit(lengths: list[int], width: int) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """Rows' used tokens and each sequence's (row, start), first-fit decreasing."""
+    fill: list[int] = []
+    place: dict[int, tuple[int, int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        row = next((r for r, used in enumerate(fill) if used + n <= width), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        place[i] = (row, fill[row])
+        fill[row] += n
+    return fill, place
+
+
 def token_logprobs(
     model: Any,
     input_ids: torch.Tensor,
@@ -55,6 +117,7 @@ def token_logprobs(
     loss_mask: torch.Tensor,
     temperature: float,
     entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(x_t | x_<t) and the entropy of pi(. | x_<t), both [B, T], where ``loss_mask``.
 
@@ -62,13 +125,24 @@ def token_logprobs(
     most tokens are prompt and tool output, so this skips most of the vocabulary-sized
     work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
     Elsewhere both outputs are 0. The entropy carries a gradient only with
-    ``entropy_grad`` (an entropy bonus needs it; logging does not).
+    ``entropy_grad`` (an entropy bonus needs it; logging does not). With ``packed`` the
+    sequences run packed back to back (``pack_rows``: no work on padding, no shared
+    prefix); the outputs keep the batch's layout either way.
     """
-    hidden = hidden_states(model, input_ids, attention_mask)  # [B, T, H]
     target = loss_mask.clone()
     target[:, 0] = False  # the first token has no context to be predicted from
     b, t = target.nonzero(as_tuple=True)
-    logits = model.get_output_embeddings()(hidden[b, t - 1]).float() / temperature  # [N, V]
+    if packed:
+        rows = pack_rows(input_ids, attention_mask)
+        # No attention mask and no cache: transformers then reads the sequence boundaries
+        # from the restarting position ids and keeps attention within each sequence.
+        flat = model.base_model(
+            input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False
+        ).last_hidden_state.flatten(0, 1)  # [R * W, H]
+        before = flat[rows.index[b, t - 1]]
+    else:
+        before = hidden_states(model, input_ids, attention_mask)[b, t - 1]  # [N, H]
+    logits = model.get_output_embeddings()(before).float() / temperature  # [N, V]
     logp_all = torch.log_softmax(logits, dim=-1)
     picked = logp_all.gather(-1, input_ids[b, t][:, None]).squeeze(-1)
     logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)

@@ -84,6 +84,7 @@ class Learner:
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.critic = Critic(model, config) if config.advantage == "gae" else None
+        self.token_budget = config.micro_batch_tokens or auto_token_budget(model)
 
     def step_samples(
         self,
@@ -95,19 +96,40 @@ class Learner:
         work is spent on padding; the result equals one update on the whole batch."""
         return self.step(self._chunks(samples, advantages, pad_id))
 
+    def _parts(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Micro-batches as lists of sample indices: sorted by length (little padding),
+        at most ``micro_batch_size`` samples and ``token_budget`` tokens each (padded
+        rows x longest, or real tokens when packed), at least one sample each."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        size, budget = self.config.micro_batch_size, self.token_budget
+        parts: list[list[int]] = []
+        for i in order:
+            part = parts[-1] if parts else None
+            if part is not None and len(part) < size:
+                grown = len(part) + 1
+                cost = (
+                    sum(lengths[j] for j in part) + lengths[i]
+                    if self.config.pack_sequences
+                    else grown * lengths[i]  # sorted: the new sample is the longest
+                )
+                if not budget or cost <= budget:
+                    part.append(i)
+                    continue
+            parts.append([i])
+        return parts
+
     def _chunks(
         self,
         samples: Sequence[Sample],
         per_sample: Sequence[float | Sequence[float]],
         pad_id: int,
     ) -> list[Batch]:
-        """Micro-batches of similar-length samples (little padding), each sample with its
+        """Micro-batches of similar-length samples (``_parts``), each sample with its
         value(s) from ``per_sample``."""
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
-        size = self.config.micro_batch_size
+        parts = self._parts([len(s.input_ids) for s in samples])
         return [
             pack([samples[i] for i in part], [per_sample[i] for i in part], pad_id)
-            for part in (order[s : s + size] for s in range(0, len(order), size))
+            for part in parts
         ]
 
     def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
@@ -116,19 +138,18 @@ class Learner:
         stand for the policy's, so only the reference runs."""
         if self.ref_model is None:
             raise ConfigError("a KL in the reward needs algorithm.kl_coef > 0")
-        out: list[list[float]] = []
-        size = self.config.micro_batch_size
-        for s in range(0, len(samples), size):
-            part = samples[s : s + size]
-            mb = pack(part, [0.0] * len(part), pad_id)
+        out: list[list[float]] = [[] for _ in samples]
+        for part in self._parts([len(s.input_ids) for s in samples]):
+            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
             with torch.no_grad():
                 ref, _ = token_logprobs(
                     self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                    self.temperature,
+                    self.temperature, packed=self.config.pack_sequences,
                 )  # fmt: skip
             kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
             kl = torch.where(mb.loss_mask, kl, 0.0)
-            out.extend(kl[i, : len(x.input_ids)].tolist() for i, x in enumerate(part))
+            for row, i in enumerate(part):
+                out[i] = kl[row, : len(samples[i].input_ids)].tolist()
         return out
 
     def step_samples_gae(
@@ -283,7 +304,7 @@ class Learner:
         for i, mb in enumerate(micro):
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
-                entropy_grad=cfg.entropy_coef > 0,
+                entropy_grad=cfg.entropy_coef > 0, packed=cfg.pack_sequences,
             )  # fmt: skip
             if first:
                 proximal.append(logprobs.detach())
@@ -296,7 +317,7 @@ class Learner:
                 with torch.no_grad():
                     ref, _ = token_logprobs(
                         self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                        self.temperature,
+                        self.temperature, packed=cfg.pack_sequences,
                     )  # fmt: skip
                 kl = self._reduce(
                     self.kl_estimator(logprobs, ref, mb.loss_mask), mb.loss_mask, norms
@@ -317,6 +338,23 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         return totals, float(grad_norm)
+
+
+def auto_token_budget(model: Any, free_bytes: int | None = None) -> int:
+    """Tokens per micro-batch that fit in ``free_bytes`` (default: the free memory of the
+    model's CUDA device; on CPU no budget, 0). An estimate, not a guarantee: about 40% of
+    the free memory over the float32 bytes a token keeps for the backward pass (each
+    layer's activations, ~16 x hidden + 2 x MLP width, and its logits, 3 x vocabulary)."""
+    device = next(model.parameters()).device
+    if free_bytes is None:
+        if device.type != "cuda":
+            return 0
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    c = model.config
+    hidden = int(c.hidden_size)
+    width = int(getattr(c, "intermediate_size", 4 * hidden))
+    per_token = 4 * (int(c.num_hidden_layers) * (16 * hidden + 2 * width) + 3 * int(c.vocab_size))
+    return max(256, int(0.4 * free_bytes) // per_token)
 
 
 def _whiten_across(
