@@ -18,6 +18,7 @@ from turnrl.rollout.batch import Batch, pack
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
+from turnrl.trainer import forward
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.trainer.forward import pack_rows, token_logprobs
 from turnrl.trainer.learner import (
@@ -457,7 +458,7 @@ def test_packed_sequences_give_the_padded_log_probs_and_gradients(
     for packed in (False, True):
         logp, ent = token_logprobs(
             model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0,
-            entropy_grad=True, packed=packed,
+            entropy_grad=True, layout="packed" if packed else "padded",
         )  # fmt: skip
         grads = torch.autograd.grad((logp * batch.advantages).sum() + ent.sum(), params)
         outs[packed] = (logp.detach(), ent.detach(), grads)
@@ -471,7 +472,7 @@ def test_a_packed_learner_step_is_the_padded_one(model: Any, tokenizer: Any) -> 
     batch = skewed(rollout_batch(model, tokenizer, tasks=2, group=3))
     options = {"kl_coef": 0.5, "loss_reduction": "seq_mean_token_mean"}
     padded = grads_after_step(copy.deepcopy(model), batch, **options)
-    packed = grads_after_step(copy.deepcopy(model), batch, pack_sequences=True, **options)
+    packed = grads_after_step(copy.deepcopy(model), batch, sequence_layout="packed", **options)
     for name in padded:
         assert torch.allclose(padded[name], packed[name], atol=1e-5), name
 
@@ -480,8 +481,9 @@ def test_micro_batches_respect_the_token_budget(model: Any) -> None:
     lengths = [50, 10, 30, 10, 45, 20, 5]
     for pack_sequences in (False, True):
         config = AlgorithmConfig(
-            micro_batch_size=3, micro_batch_tokens=90, pack_sequences=pack_sequences
-        )
+            micro_batch_size=3, micro_batch_tokens=90,
+            sequence_layout="packed" if pack_sequences else "padded",
+        )  # fmt: skip
         learner = Learner(model, config, temperature=1.0)
         parts = learner._parts(lengths)
         assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
@@ -530,3 +532,41 @@ def test_a_token_budget_gives_the_same_gradient(model: Any, tokenizer: Any) -> N
     budgeted = grads(micro_batch_tokens=2 * max(len(s.input_ids) for s in samples))
     for name in whole:
         assert torch.allclose(whole[name], budgeted[name], atol=1e-6), name
+
+
+def test_auto_layout_pads_shared_prompts_and_packs_varied_lengths(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    used: list[str] = []
+    original = forward.pack_rows
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        rows = original(*args, **kwargs)
+        used.append("considered")
+        return rows
+
+    monkeypatch.setattr(forward, "pack_rows", spy)
+    calls: list[int] = []
+    base = model.base_model.forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(int(kwargs["input_ids"].numel()))
+        return base(*args, **kwargs)
+
+    monkeypatch.setattr(model.base_model, "forward", counting)
+    agent = rollout_batch(model, tokenizer, tasks=2, group=3)  # one shared system prompt
+    calls.clear()
+    token_logprobs(model, agent.input_ids, agent.attention_mask, agent.loss_mask, 1.0,
+                   layout="auto")  # fmt: skip
+    assert len(calls) == 2  # the shared prefix once, then the rest of every row
+    assert calls[0] < agent.input_ids.shape[1]
+    varied = torch.zeros((4, 40), dtype=torch.long)
+    mask = torch.zeros_like(varied)
+    for i, n in enumerate((40, 10, 12, 30)):
+        varied[i, :n] = torch.arange(5 + i, 5 + i + n)  # no common prefix
+        mask[i, :n] = 1
+    calls.clear()
+    token_logprobs(model, varied, mask, mask.bool(), 1.0, layout="auto")
+    assert len(calls) == 1  # one packed forward
+    assert calls[0] == 3 * 40  # (40) (30 + 10) (12): three rows of 40 instead of four
+    assert used

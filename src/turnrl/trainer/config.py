@@ -163,9 +163,11 @@ class AlgorithmConfig:
     """Tokens per forward/backward at most, padding included (packed: real tokens); a
     micro-batch holds at least one sequence. 0 picks a budget from the free accelerator
     memory on CUDA and sets none on CPU (``micro_batch_size`` alone)."""
-    pack_sequences: bool = False
-    """Run the learner's forward passes on sequences packed back to back (no padding, no
-    shared-prefix reuse) instead of right-padded rows with the common prefix run once."""
+    sequence_layout: Literal["auto", "padded", "packed"] = "auto"
+    """How the learner lays a micro-batch out for its forward passes: ``padded`` rows
+    (the common prefix of the rows run once), ``packed`` back to back (no padding, no
+    prefix reuse), or ``auto``: whichever computes fewer token positions (agent groups
+    sharing a long prompt pad; sequences of very different lengths pack)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more
     prompts (up to ``max_sample_rounds`` rounds per step) to fill the batch."""

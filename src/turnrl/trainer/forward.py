@@ -64,6 +64,16 @@ class PackedRows:
     index: torch.Tensor  # [B, T] long
 
 
+def padded_cost(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """Token positions ``hidden_states`` runs for right-padded rows: every cell, with a
+    common prefix run once instead of once per row."""
+    rows, width = input_ids.shape
+    shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
+    if shared < MIN_SHARED_PREFIX:
+        shared = 0
+    return rows * width - (rows - 1) * shared
+
+
 def pack_rows(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0, width: int = 0
 ) -> PackedRows:
@@ -117,7 +127,7 @@ def token_logprobs(
     loss_mask: torch.Tensor,
     temperature: float,
     entropy_grad: bool = False,
-    packed: bool = False,
+    layout: str = "padded",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(x_t | x_<t) and the entropy of pi(. | x_<t), both [B, T], where ``loss_mask``.
 
@@ -125,15 +135,22 @@ def token_logprobs(
     most tokens are prompt and tool output, so this skips most of the vocabulary-sized
     work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
     Elsewhere both outputs are 0. The entropy carries a gradient only with
-    ``entropy_grad`` (an entropy bonus needs it; logging does not). With ``packed`` the
-    sequences run packed back to back (``pack_rows``: no work on padding, no shared
-    prefix); the outputs keep the batch's layout either way.
+    ``entropy_grad`` (an entropy bonus needs it; logging does not). ``layout``: the
+    rows as given (``padded``, their common prefix run once), packed back to back
+    (``packed``, ``pack_rows``: no work on padding, no shared prefix), or whichever of the
+    two runs fewer token positions (``auto``). The outputs keep the batch's layout.
     """
     target = loss_mask.clone()
     target[:, 0] = False  # the first token has no context to be predicted from
     b, t = target.nonzero(as_tuple=True)
-    if packed:
-        rows = pack_rows(input_ids, attention_mask)
+    rows = pack_rows(input_ids, attention_mask) if layout != "padded" else None
+    if (
+        rows is not None
+        and layout == "auto"
+        and padded_cost(input_ids, attention_mask) <= (rows.input_ids.numel())
+    ):
+        rows = None
+    if rows is not None:
         # No attention mask and no cache: transformers then reads the sequence boundaries
         # from the restarting position ids and keeps attention within each sequence.
         flat = model.base_model(

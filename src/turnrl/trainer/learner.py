@@ -109,7 +109,7 @@ class Learner:
                 grown = len(part) + 1
                 cost = (
                     sum(lengths[j] for j in part) + lengths[i]
-                    if self.config.pack_sequences
+                    if self.config.sequence_layout == "packed"
                     else grown * lengths[i]  # sorted: the new sample is the longest
                 )
                 if not budget or cost <= budget:
@@ -144,7 +144,7 @@ class Learner:
             with torch.no_grad():
                 ref, _ = token_logprobs(
                     self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                    self.temperature, packed=self.config.pack_sequences,
+                    self.temperature, layout=self.config.sequence_layout,
                 )  # fmt: skip
             kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
             kl = torch.where(mb.loss_mask, kl, 0.0)
@@ -304,7 +304,7 @@ class Learner:
         for i, mb in enumerate(micro):
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
-                entropy_grad=cfg.entropy_coef > 0, packed=cfg.pack_sequences,
+                entropy_grad=cfg.entropy_coef > 0, layout=cfg.sequence_layout,
             )  # fmt: skip
             if first:
                 proximal.append(logprobs.detach())
@@ -317,7 +317,7 @@ class Learner:
                 with torch.no_grad():
                     ref, _ = token_logprobs(
                         self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                        self.temperature, packed=cfg.pack_sequences,
+                        self.temperature, layout=cfg.sequence_layout,
                     )  # fmt: skip
                 kl = self._reduce(
                     self.kl_estimator(logprobs, ref, mb.loss_mask), mb.loss_mask, norms

@@ -1,0 +1,152 @@
+"""The learner's forward/backward layouts side by side: right-padded rows, right-padded
+rows with the common prefix run once, packed sequences,
+
+and ``auto`` (the default), which picks per micro-batch whichever runs fewer positions.
+
+Two batches of 32 samples, the loss on each sample's last 75% of tokens:
+- ``agent``: one shared 100-token prompt (system, tools, question) and 20-60 tokens of
+  turns each: what a group of agent rollouts looks like;
+- ``varied``: unrelated sequences of 32-512 tokens: long-tailed lengths, no common prefix.
+
+Each cell is the median of 5 learner steps (``Learner.step_samples``, one optimizer step)
+on the tiny model and on a wider one (hidden 256, 4 layers), float32 on CPU.
+
+    python benchmarks/learner.py
+
+Writes benchmarks/results/learner.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from turnrl.trainer import forward
+from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.learner import Learner
+from turnrl.types import Sample
+
+ROOT = Path(__file__).resolve().parent
+VOCAB = 1024
+
+
+def batch(kind: str, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(100)]
+    samples = []
+    for _ in range(32):
+        if kind == "agent":
+            ids = prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randint(20, 60))]
+        else:
+            ids = [rng.randrange(1, VOCAB) for _ in range(rng.randint(32, 512))]
+        trained = len(ids) // 4
+        mask = [0] * trained + [1] * (len(ids) - trained)
+        logps = [-6.9 if m else 0.0 for m in mask]
+        samples.append(Sample(tuple(ids), tuple(mask), tuple(logps)))
+    return samples
+
+
+def model(hidden: int, layers: int) -> Any:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+def time_steps(net: Any, samples: list[Sample], layout: str, repeats: int) -> float:
+    chosen = "padded" if layout.startswith("padded") else layout
+    config = AlgorithmConfig(lr=1e-5, micro_batch_size=32, sequence_layout=chosen)
+    learner = Learner(copy.deepcopy(net), config, temperature=1.0)
+    advantages = [float((-1) ** i) for i in range(len(samples))]
+    shared = forward.MIN_SHARED_PREFIX
+    forward.MIN_SHARED_PREFIX = 10**9 if layout == "padded" else shared
+    try:
+        learner.step_samples(samples, advantages, pad_id=0)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            learner.step_samples(samples, advantages, pad_id=0)
+            times.append(time.perf_counter() - t0)
+    finally:
+        forward.MIN_SHARED_PREFIX = shared
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "learner")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    layouts = ["padded", "padded + shared prefix", "packed", "auto"]
+    rows = []
+    for name, hidden, layers in (("tiny (64 x 2)", 64, 2), ("wider (256 x 4)", 256, 4)):
+        net = model(hidden, layers)
+        for kind in ("agent", "varied"):
+            samples = batch(kind)
+            lengths = [len(s.input_ids) for s in samples]
+            real = sum(lengths)
+            padded_cells = len(lengths) * max(lengths)
+            ids = torch.zeros((len(lengths), max(lengths)), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, n in enumerate(lengths):
+                mask[i, :n] = 1
+            packed_cells = forward.pack_rows(ids, mask).input_ids.numel()
+            times = {lay: time_steps(net, samples, lay, args.repeats) for lay in layouts}
+            row = {
+                "model": name, "batch": kind, "tokens": real,
+                "padded_cells": padded_cells, "packed_cells": packed_cells, "step_s": times,
+            }  # fmt: skip
+            rows.append(row)
+            print(name, kind, {k: round(v, 4) for k, v in times.items()}, flush=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {args.threads} torch threads",
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    lines = [
+        "# Learner layouts",
+        "",
+        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; one learner step "
+        f"(forward, backward, optimizer) on 32 samples, median of {args.repeats}.",
+        "",
+        "| model | batch | real tokens | padded cells | packed cells | padded s "
+        "| padded + shared prefix s | packed s | auto (default) s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["step_s"]
+        best = min(t.values())
+        cells = [f"**{t[k]:.3f}**" if t[k] == best else f"{t[k]:.3f}" for k in layouts]
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['tokens']} | {r['padded_cells']} | "
+            f"{r['packed_cells']} | " + " | ".join(cells) + " |"
+        )
+    lines += [
+        "",
+        "`algorithm.sequence_layout`: `padded` (common prefix run once), `packed`, or "
+        "`auto` (the default: whichever runs fewer token positions, per micro-batch).",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
