@@ -3,6 +3,7 @@ a small-run configuration; float64 tensor helpers for the algorithm tests."""
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,11 @@ from torch import Tensor
 
 from turnrl.envs import SecretLookup
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from turnrl.models.loading import stop_token_ids
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams
+from turnrl.trainer.config import WarmupConfig
+from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +37,24 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 @pytest.fixture
 def model(tiny_model_dir: Path) -> Any:
     return load_model(tiny_model_dir)
+
+
+@pytest.fixture
+def caller(model: Any, tokenizer: Any) -> Any:
+    """The tiny model after a short syntax warm-up: it calls the tool, so episodes have
+    several turns."""
+    warm = copy.deepcopy(model)
+    spec = SecretLookup(num_keys=2, key_pool=2)
+    demos = demonstration_trajectories(
+        spec, tokenizer, ChatRenderer(tokenizer), count=256,
+        limits=EpisodeLimits(max_turns=4, max_tokens_per_turn=24),
+        sampling=SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=0,
+    )  # fmt: skip
+    supervised_warmup(
+        warm, warmup_samples(demos), WarmupConfig(steps=40, batch_size=16, lr=3e-3),
+        pad_id=int(tokenizer.pad_token_id), seed=0,
+    )  # fmt: skip
+    return warm
 
 
 SMALL_RUN = [  # a run of a few seconds: a tiny model, two steps, two tiny groups

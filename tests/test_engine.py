@@ -205,3 +205,41 @@ def test_an_episode_back_from_its_tool_does_not_wait_for_a_long_generation(
 
     backend.run(program())
     assert order == ["second turn done", "long done"]
+
+
+class SlowToReact:
+    """A SecretLookup env whose step blocks the event loop for a random moment, as a
+    busy loop would: without lockstep, the follow-up turns would join the running batch
+    at other decode steps."""
+
+    def __init__(self, inner: Any, rng: Any) -> None:
+        self.inner, self.rng = inner, rng
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def step(self, action: str) -> Any:
+        time.sleep(self.rng.uniform(0, 0.01))
+        return await self.inner.step(action)
+
+
+def test_runs_are_reproducible_to_the_bit_whatever_the_threads_timing(
+    caller: Any, tokenizer: Any
+) -> None:
+    import random
+
+    spec = SecretLookup(num_keys=2, key_pool=2)
+    group = GroupSpec(
+        4, EpisodeLimits(max_turns=3, max_tokens_per_turn=16),
+        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=9,
+    )  # fmt: skip
+    tasks = [spec.task(i) for i in range(4)]
+    runs = []
+    for slow in (False, True):
+        backend = TorchBackend(caller, tokenizer)
+        rng = random.Random(slow)
+        make = (lambda r=rng: SlowToReact(spec.make_env(), r)) if slow else spec.make_env
+        program = collect_groups(tasks, make, backend, ChatRenderer(tokenizer), group)
+        runs.append([t.to_json() for g in backend.run(program) for t in g])
+    assert sum(len(t["turns"]) for t in runs[0]) > len(runs[0])  # follow-up turns happened
+    assert runs[0] == runs[1]  # same tokens and the very same float log-probs

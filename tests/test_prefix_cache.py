@@ -4,7 +4,6 @@ the whole context, only the new tokens run, and stale caches are never used."""
 from __future__ import annotations
 
 import asyncio
-import copy
 from typing import Any
 
 import pytest
@@ -17,8 +16,6 @@ from turnrl.models.loading import stop_token_ids
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
-from turnrl.trainer.config import WarmupConfig
-from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 from turnrl.types import GenerationRequest, Trajectory
 
 
@@ -44,24 +41,6 @@ def test_the_longest_proper_prefix_is_found_and_lru_evicts() -> None:
         cache.put((5, 6), kv(3))
     cache.sync(1)
     assert len(cache) == 0  # new weights: everything is stale
-
-
-@pytest.fixture
-def caller(model: Any, tokenizer: Any) -> Any:
-    """The tiny model after a short syntax warm-up: it calls the tool, so episodes have
-    several turns."""
-    warm = copy.deepcopy(model)
-    spec = SecretLookup(num_keys=2, key_pool=2)
-    demos = demonstration_trajectories(
-        spec, tokenizer, ChatRenderer(tokenizer), count=256,
-        limits=EpisodeLimits(max_turns=4, max_tokens_per_turn=24),
-        sampling=SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=0,
-    )  # fmt: skip
-    supervised_warmup(
-        warm, warmup_samples(demos), WarmupConfig(steps=40, batch_size=16, lr=3e-3),
-        pad_id=int(tokenizer.pad_token_id), seed=0,
-    )  # fmt: skip
-    return warm
 
 
 def episodes(model: Any, tokenizer: Any, reuse: bool) -> tuple[list[Trajectory], TorchBackend]:

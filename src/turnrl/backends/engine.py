@@ -75,9 +75,15 @@ class DecodeBatch:
         self.stop_table = torch.zeros((0, vocab_size), dtype=torch.bool)
         self.forwards = 0
         """Forward passes run (prefills and decode steps), for tests and benchmarks."""
+        self._finished: list[Waiter] = []
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def take_finished(self) -> list[Waiter]:
+        """The waiters whose requests ended since the last call."""
+        done, self._finished = self._finished, []
+        return done
 
     def clear(self) -> None:
         """Forget every row (after a failure: their waiters were told)."""
@@ -99,6 +105,7 @@ class DecodeBatch:
                 waiter.fail(ValueError("a generation request has an empty prompt"))
             elif request.max_new_tokens <= 0:
                 waiter.deliver(self._completion(_Row(request, waiter), "length"))
+                self._finished.append(waiter)
             else:
                 live.append((request, waiter))
         if not live:
@@ -225,6 +232,7 @@ class DecodeBatch:
                 layers = [(k[i][:, real].clone(), v[i][:, real].clone()) for k, v in self.layers]
                 self._store(row.request, row.tokens, layers)
         row.waiter.deliver(self._completion(row, reason))
+        self._finished.append(row.waiter)
 
     def _completion(self, row: _Row, reason: FinishReason) -> Completion:
         return Completion(

@@ -67,7 +67,9 @@ class TorchBackend:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._lock = threading.Lock()
         self.prefix_cache = PrefixCache(max_cached_tokens) if reuse_history else None
-        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+        self._jobs: queue.SimpleQueue[_Job | _Ack | None] | None = None
+        self.submissions = 0
+        """Jobs handed to the running batch so far (the lockstep barrier watches it)."""
 
     def _share(
         self, requests: Sequence[GenerationRequest], device: torch.device
@@ -127,7 +129,7 @@ class TorchBackend:
         keep running during generation and all torch work stays on the calling thread."""
         if self._jobs is not None:
             raise RuntimeError("TorchBackend.run is already running")
-        jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[_Job | _Ack | None] = queue.SimpleQueue()
         outcome: dict[str, Any] = {}
 
         def drive() -> None:
@@ -182,9 +184,12 @@ class TorchBackend:
             store=self._keep_history if self.prefix_cache is not None else None,
         )
 
-    def _drive(self, batch: DecodeBatch, waiting: deque[tuple[GenerationRequest, Waiter]]) -> None:
-        """Admit waiting requests while there is room, then take one decode step. On a
-        failure every row in flight and every admitted request gets the error."""
+    def _drive(
+        self, batch: DecodeBatch, waiting: deque[tuple[GenerationRequest, Waiter]]
+    ) -> list[Waiter]:
+        """Admit waiting requests while there is room, then take one decode step; return
+        the waiters whose requests ended in it. On a failure every row in flight and
+        every admitted request gets the error."""
         taken: list[tuple[GenerationRequest, Waiter]] = []
         try:
             room = self.max_batch_size - len(batch)
@@ -198,39 +203,69 @@ class TorchBackend:
             for waiter in [w for _, w in taken] + [row.waiter for row in batch.rows]:
                 waiter.fail(exc)
             batch.clear()
+        return batch.take_finished()
 
     @torch.inference_mode()
-    def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+    def _serve(self, jobs: queue.SimpleQueue[_Job | _Ack | None]) -> None:
         """Serve ``jobs`` until the program ends (a None in the queue): every step admits
-        what has arrived since the last one (continuous batching)."""
+        what has arrived since the last one (continuous batching).
+
+        Lockstep: when requests submitted with a ``quiet`` check end, decoding pauses
+        until the event loop has reacted (their episodes ran their tools and asked for
+        their next turns, or went quiet), so a follow-up request joins at the same step
+        whatever the threads' timing: runs are reproducible to the bit."""
         batch = self._new_batch()
         waiting: deque[tuple[GenerationRequest, Waiter]] = deque()
         ended = False
-        while not ended or batch or waiting:
-            block = not batch and not waiting
+        acks_owed = 0
+        while not ended or batch or waiting or acks_owed:
+            block = (not batch and not waiting) or acks_owed > 0
             try:
                 job = jobs.get(block=block)
                 while True:
                     if job is None:
                         ended = True
+                    elif isinstance(job, _Ack):
+                        acks_owed -= 1
                     else:
                         waiting.extend(job.items)
                     job = jobs.get_nowait()
             except queue.Empty:
                 pass
-            if batch or waiting:
-                self._drive(batch, waiting)
+            if ended:  # the program is over: no barrier is left to answer
+                acks_owed = 0
+            if acks_owed or not (batch or waiting):
+                continue
+            finished = self._drive(batch, waiting)
+            quiet = {id(w.quiet): w for w in finished if isinstance(w, _Pending) and w.quiet}
+            if quiet:
+                acks_owed += 1
+                first = next(iter(quiet.values()))
+                checks = [w.quiet for w in quiet.values() if w.quiet is not None]
+                try:
+                    first.loop.call_soon_threadsafe(
+                        _start_barrier, checks, lambda: jobs.put(_Ack()), self
+                    )
+                except RuntimeError:  # the loop has closed: nobody will answer
+                    acks_owed -= 1
 
     def submit(
-        self, requests: Sequence[GenerationRequest]
+        self,
+        requests: Sequence[GenerationRequest],
+        quiet: Callable[[], bool] | None = None,
     ) -> list[asyncio.Future[Completion]] | None:
         """Hand ``requests`` to the running batch and return one future each, settled as
         soon as that request's completion is done; None outside ``run`` (then use
-        ``generate``). Call from the event loop ``run`` is driving."""
+        ``generate``). Call from the event loop ``run`` is driving.
+
+        ``quiet``: the caller's "nothing left to submit" check. When one of these
+        requests ends, decoding waits until ``quiet()`` has held for ``LOCKSTEP_TURNS``
+        turns of the event loop with nothing new submitted (see ``_serve``)."""
         jobs = self._jobs
         if jobs is None:
             return None
-        job = _Job(requests, asyncio.get_running_loop())
+        job = _Job(requests, asyncio.get_running_loop(), quiet)
+        self.submissions += 1
         jobs.put(job)
         return [waiter.future for _, waiter in job.items]
 
@@ -277,8 +312,11 @@ class _Collect:
 class _Pending:
     """One request of a ``_Job``: settles its future on the event loop that waits for it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, quiet: Callable[[], bool] | None = None
+    ) -> None:
         self.loop = loop
+        self.quiet = quiet
         self.future: asyncio.Future[Completion] = loop.create_future()
 
     def deliver(self, completion: Completion) -> None:
@@ -300,11 +338,51 @@ class _Job:
     """Requests handed from the episodes' event loop to the torch thread."""
 
     def __init__(
-        self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop
+        self,
+        requests: Sequence[GenerationRequest],
+        loop: asyncio.AbstractEventLoop,
+        quiet: Callable[[], bool] | None = None,
     ) -> None:
         self.items: list[tuple[GenerationRequest, _Pending]] = [
-            (r, _Pending(loop)) for r in requests
+            (r, _Pending(loop, quiet)) for r in requests
         ]
+
+
+class _Ack:
+    """The event loop's answer to a lockstep barrier: decoding may go on."""
+
+
+LOCKSTEP_TURNS = 64
+"""Event-loop turns with nothing new submitted after which the episodes are taken to
+have reacted to the completions they received (as ``BatchingClient.patience``)."""
+
+
+def _start_barrier(
+    checks: list[Callable[[], bool]], release: Callable[[], None], backend: TorchBackend
+) -> None:
+    """On the event loop, after the completions that called for it were settled: wait
+    until every ``check`` holds and no job was submitted for ``LOCKSTEP_TURNS`` turns,
+    then ``release`` the torch thread."""
+
+    async def barrier() -> None:
+        try:
+            idle, seen = 0, backend.submissions
+            while idle < LOCKSTEP_TURNS:
+                await asyncio.sleep(0)
+                if backend.submissions != seen or not all(check() for check in checks):
+                    idle, seen = 0, backend.submissions
+                else:
+                    idle += 1
+        finally:
+            release()
+
+    task = asyncio.ensure_future(barrier())
+    _BARRIERS.add(task)
+    task.add_done_callback(_BARRIERS.discard)
+
+
+_BARRIERS: set[asyncio.Future[None]] = set()
+"""Running barrier tasks (a reference keeps each alive until it is done)."""
 
 
 @contextlib.contextmanager

@@ -25,8 +25,9 @@ class BatchingClient:
     A batch is sent as soon as every live episode is waiting for the model, or when the
     others stop making progress (they wait on a slow tool), so a slow tool delays nobody.
     Requests inside a batch are ordered by arrival. A backend with ``submit`` (continuous
-    batching, ``TorchBackend.run``) answers each request as soon as it is done; others
-    answer a batch at once.
+    batching, ``TorchBackend.run``) answers each request as soon as it is done, and pauses
+    until this client is ``quiet`` again, so follow-up requests join at the same decode
+    step on every run; others answer a batch at once.
     """
 
     def __init__(self, backend: Backend, *, patience: int = 64) -> None:
@@ -55,7 +56,7 @@ class BatchingClient:
             idle = 0 if len(self._pending) > before else idle + 1
         batch, self._pending = self._pending, []
         submit = getattr(self.backend, "submit", None)
-        futures = submit([r for r, _ in batch]) if submit is not None else None
+        futures = submit([r for r, _ in batch], self.quiet) if submit is not None else None
         if futures is not None:  # a continuous-batching backend settles each on its own
             for (_, future), done in zip(batch, futures, strict=True):
                 _chain(done, future)
@@ -63,6 +64,10 @@ class BatchingClient:
             await self._generate(batch)
         if self._pending:
             self._flusher = asyncio.create_task(self._flush())
+
+    def quiet(self) -> bool:
+        """No request is waiting to be sent (the backend's lockstep barrier asks)."""
+        return not self._pending
 
     async def _generate(
         self, batch: list[tuple[GenerationRequest, asyncio.Future[Completion]]]
