@@ -144,8 +144,8 @@ def main() -> None:
     latencies = [0.0, 0.05, 0.5]
     plan = [(c, k, lat, False, "") for c in concurrency for k in (1, 3) for lat in latencies]
     plan += [(64, 3, 0.5, True, "")]
-    # A long shared instruction (~600 tokens): what re-encoding the history costs.
-    long = "Read the rules below before you start. " + "Each call returns a short note. " * 100
+    # A long shared instruction (~550 tokens): what re-encoding the history costs.
+    long = "Read the rules below before you start. " + "Each call returns a short note. " * 40
     plan += [(64, 3, 0.0, False, long)]
     results = []
     for name, reuse in (("reuse", True), ("no_reuse", False)):

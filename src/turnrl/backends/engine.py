@@ -67,6 +67,7 @@ class DecodeBatch:
         self._store = store
         self.rows: list[_Row] = []
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # [B, H, W, D] each
+        self.cache: Any = None  # a DynamicCache holding ``layers``; None once they change
         self.attn = torch.zeros((0, 0), dtype=torch.long)  # [B, W]
         self.logits = torch.zeros((0, vocab_size))  # [B, V]: each row's next-token logits
         self.uniforms = torch.zeros((0, 0))  # [B, max_new]
@@ -150,6 +151,7 @@ class DecodeBatch:
     def _merge(self, *, rows: list[_Row], layers: list[tuple[torch.Tensor, torch.Tensor]],
                attn: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor,
                temps: torch.Tensor, top_ps: torch.Tensor, stop_table: torch.Tensor) -> None:  # fmt: skip
+        self.cache = None
         if not self.rows:
             self.rows, self.layers, self.attn, self.logits = rows, layers, attn, logits
             self.uniforms, self.temps, self.top_ps, self.stop_table = (
@@ -203,18 +205,20 @@ class DecodeBatch:
             return
         positions = self.attn.sum(-1, keepdim=True)  # each row's real tokens so far
         self.attn = torch.cat([self.attn, self.attn.new_ones((len(self.rows), 1))], dim=1)
-        past = DynamicCache()
-        for layer, (k, v) in enumerate(self.layers):
-            past.update(k, v, layer)
+        if self.cache is None:  # rows joined or left: a cache of the new layers (one copy)
+            self.cache = DynamicCache()
+            for layer, (k, v) in enumerate(self.layers):
+                self.cache.update(k, v, layer)
         out = self.model(
             input_ids=tok[:, None],
             attention_mask=self.attn,
             position_ids=positions,
-            past_key_values=past,
+            past_key_values=self.cache,
             use_cache=True,
         )
         self.forwards += 1
-        self.layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        self.cache = out.past_key_values  # grown in place by one position
+        self.layers = [(layer.keys, layer.values) for layer in self.cache.layers]
         self.logits = out.logits[:, -1, :].float()
 
     def _hit_stop_string(self, row: _Row) -> bool:
@@ -245,6 +249,7 @@ class DecodeBatch:
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep``; drop the cache columns no remaining row uses."""
         self.rows = [self.rows[i] for i in keep]
+        self.cache = None
         if not keep:
             self.layers, self.attn = [], self.attn[:0, :0]
             self.logits = self.logits[:0]

@@ -75,23 +75,17 @@ def padded_cost(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
 
 
 def pack_rows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0, width: int = 0
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pad_id: int = 0,
+    width: int = 0,
+    plan: tuple[list[int], dict[int, tuple[int, int]], int] | None = None,
 ) -> PackedRows:
-    """Pack the sequences of a right-padded batch back to back into rows ``width`` tokens
-    wide, first-fit by decreasing length. The default width is the one (1, 1.5, 2, 3 or
-    4 times the longest sequence) that needs the fewest cells, the narrowest on a tie, so
-    packing never costs more cells than padding. A row's unused tail is padding that forms
-    its own sequence (positions from 0), so no real token attends to it."""
+    """Pack the sequences of a right-padded batch back to back (``packing_plan``). A
+    row's unused tail is padding that forms its own sequence (positions from 0), so no
+    real token attends to it."""
     lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
-    longest = max(lengths)
-    if width:
-        width = max(width, longest)
-        fill, place = _first_fit(lengths, width)
-    else:
-        options = [_first_fit(lengths, int(f * longest)) for f in (1, 1.5, 2, 3, 4)]
-        widths = [int(f * longest) for f in (1, 1.5, 2, 3, 4)]
-        best = min(range(len(options)), key=lambda k: (len(options[k][0]) * widths[k], k))
-        (fill, place), width = options[best], widths[best]
+    fill, place, width = plan or packing_plan(lengths, width)
     device = input_ids.device
     packed = torch.full((len(fill), width), pad_id, dtype=input_ids.dtype, device=device)
     positions = torch.zeros((len(fill), width), dtype=torch.long, device=device)
@@ -104,6 +98,24 @@ def pack_rows(
     for row, used in enumerate(fill):
         positions[row, used:] = torch.arange(width - used, device=device)
     return PackedRows(packed, positions, index)
+
+
+def packing_plan(
+    lengths: list[int], width: int = 0
+) -> tuple[list[int], dict[int, tuple[int, int]], int]:
+    """Where each sequence goes when packed into rows ``width`` tokens wide, first-fit
+    by decreasing length: each row's used tokens, each sequence's (row, start), the width.
+    The default width is the one (1, 1.5, 2, 3 or 4 times the longest sequence) that
+    needs the fewest cells, the narrowest on a tie, so packing never costs more cells
+    than padding."""
+    longest = max(lengths)
+    if width:
+        width = max(width, longest)
+        return (*_first_fit(lengths, width), width)
+    widths = [int(f * longest) for f in (1, 1.5, 2, 3, 4)]
+    options = [_first_fit(lengths, w) for w in widths]
+    best = min(range(len(options)), key=lambda k: (len(options[k][0]) * widths[k], k))
+    return (*options[best], widths[best])
 
 
 def _first_fit(lengths: list[int], width: int) -> tuple[list[int], dict[int, tuple[int, int]]]:
@@ -143,13 +155,12 @@ def token_logprobs(
     target = loss_mask.clone()
     target[:, 0] = False  # the first token has no context to be predicted from
     b, t = target.nonzero(as_tuple=True)
-    rows = pack_rows(input_ids, attention_mask) if layout != "padded" else None
-    if (
-        rows is not None
-        and layout == "auto"
-        and padded_cost(input_ids, attention_mask) <= (rows.input_ids.numel())
-    ):
-        rows = None
+    rows = None
+    if layout != "padded":
+        plan = packing_plan([int(n) for n in attention_mask.sum(-1).tolist()])
+        cells = len(plan[0]) * plan[2]
+        if layout == "packed" or cells < padded_cost(input_ids, attention_mask):
+            rows = pack_rows(input_ids, attention_mask, plan=plan)
     if rows is not None:
         # No attention mask and no cache: transformers then reads the sequence boundaries
         # from the restarting position ids and keeps attention within each sequence.
