@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from conftest import PROPERTY
 from turnrl.backends.prefix_cache import PrefixCache
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import SecretLookup
@@ -110,3 +113,21 @@ def test_new_weights_make_the_kept_history_stale(model: Any, tokenizer: Any) -> 
     follow = (*prompt, *out.token_ids, 5)
     backend.generate_sync([GenerationRequest(follow, 2, seed=4)])
     assert backend.prefix_cache.hits == 0
+
+
+@given(
+    stored=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=12),
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=10),
+)
+@PROPERTY
+def test_the_lookup_finds_the_longest_stored_proper_prefix(
+    stored: list[list[int]], prompt: list[int]
+) -> None:
+    cache = PrefixCache()
+    for seq in stored:
+        cache.put(seq, kv(len(seq)))
+    expected = max(
+        (len(s) for s in stored if len(s) < len(prompt) and prompt[: len(s)] == s), default=None
+    )
+    hit = cache.longest_prefix(prompt)
+    assert (hit[0] if hit else None) == expected

@@ -18,6 +18,20 @@ import torch
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 """One layer's keys and values for one sequence, each ``[heads, tokens, head_dim]``."""
 
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+def prefix_hashes(tokens: Sequence[int]) -> list[int]:
+    """Polynomial hashes of every prefix of ``tokens``: ``out[n]`` hashes ``tokens[:n]``.
+    One pass, so a lookup costs O(prompt) however many lengths are stored."""
+    out = [0]
+    h = 0
+    for t in tokens:
+        h = (h * _BASE + t + 1) % _MOD
+        out.append(h)
+    return out
+
 
 class PrefixCache:
     """A bounded LRU store of per-sequence key/value caches, keyed by their token ids."""
@@ -26,6 +40,7 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.version: int | None = None
         self._entries: OrderedDict[tuple[int, ...], list[LayerKV]] = OrderedDict()
+        self._index: dict[tuple[int, int], tuple[int, ...]] = {}  # (length, hash) -> key
         self._lengths: dict[int, int] = {}  # cached length -> number of entries
         self._tokens = 0
         self.hits = 0
@@ -42,6 +57,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self._lengths.clear()
         self._tokens = 0
 
@@ -54,19 +70,24 @@ class PrefixCache:
         if any(k.shape[1] != len(key) or v.shape[1] != len(key) for k, v in layers):
             raise ValueError("every layer's cache must cover exactly the stored tokens")
         self._entries[key] = layers
+        self._index[(len(key), prefix_hashes(key)[-1])] = key
         self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
         self._tokens += len(key)
         while self._tokens > self.max_tokens:
             old, _ = self._entries.popitem(last=False)
+            self._index.pop((len(old), prefix_hashes(old)[-1]), None)
             self._forget(len(old))
 
     def longest_prefix(self, prompt: Sequence[int]) -> tuple[int, list[LayerKV]] | None:
         """The longest stored sequence that is a proper prefix of ``prompt`` (at least one
         token of the prompt is left to run), and its caches; None if there is none."""
+        hashes = prefix_hashes(prompt)
         for n in sorted(self._lengths, reverse=True):
             if n >= len(prompt):
                 continue
-            key = tuple(prompt[:n])
+            key = self._index.get((n, hashes[n]))
+            if key is None or key != tuple(prompt[:n]):  # no entry, or a hash collision
+                continue
             layers = self._entries.get(key)
             if layers is not None:
                 self._entries.move_to_end(key)
