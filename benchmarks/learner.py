@@ -8,8 +8,9 @@ Two batches of 32 samples, the loss on each sample's last 75% of tokens:
   turns each: what a group of agent rollouts looks like;
 - ``varied``: unrelated sequences of 32-512 tokens: long-tailed lengths, no common prefix.
 
-Each cell is the median of 5 learner steps (``Learner.step_samples``, one optimizer step)
-on the tiny model and on a wider one (hidden 256, 4 layers), float32 on CPU.
+Each cell is the median of 5 learner steps (``Learner.step_samples``, one optimizer step;
+the layouts take turns) on the tiny model and on a wider one (hidden 256, 4 layers),
+float32 on CPU.
 
     python benchmarks/learner.py
 
@@ -66,23 +67,30 @@ def model(hidden: int, layers: int) -> Any:
     return Qwen2ForCausalLM(config)
 
 
-def time_steps(net: Any, samples: list[Sample], layout: str, repeats: int) -> float:
-    chosen = "padded" if layout.startswith("padded") else layout
-    config = AlgorithmConfig(lr=1e-5, micro_batch_size=32, sequence_layout=chosen)
-    learner = Learner(copy.deepcopy(net), config, temperature=1.0)
+def time_layouts(
+    net: Any, samples: list[Sample], layouts: list[str], repeats: int
+) -> dict[str, float]:
+    """Median seconds of one learner step per layout, the layouts taking turns (round
+    robin) so that drift in the machine's speed hits them alike."""
     advantages = [float((-1) ** i) for i in range(len(samples))]
+    learners = {}
+    for layout in layouts:
+        chosen = "padded" if layout.startswith("padded") else layout
+        config = AlgorithmConfig(lr=1e-5, micro_batch_size=32, sequence_layout=chosen)
+        learners[layout] = Learner(copy.deepcopy(net), config, temperature=1.0)
+    times: dict[str, list[float]] = {layout: [] for layout in layouts}
     shared = forward.MIN_SHARED_PREFIX
-    forward.MIN_SHARED_PREFIX = 10**9 if layout == "padded" else shared
     try:
-        learner.step_samples(samples, advantages, pad_id=0)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            learner.step_samples(samples, advantages, pad_id=0)
-            times.append(time.perf_counter() - t0)
+        for r in range(repeats + 1):  # the first round warms up
+            for layout in layouts:
+                forward.MIN_SHARED_PREFIX = 10**9 if layout == "padded" else shared
+                t0 = time.perf_counter()
+                learners[layout].step_samples(samples, advantages, pad_id=0)
+                if r:
+                    times[layout].append(time.perf_counter() - t0)
     finally:
         forward.MIN_SHARED_PREFIX = shared
-    return statistics.median(times)
+    return {layout: statistics.median(t) for layout, t in times.items()}
 
 
 def main() -> None:
@@ -106,7 +114,7 @@ def main() -> None:
             for i, n in enumerate(lengths):
                 mask[i, :n] = 1
             packed_cells = forward.pack_rows(ids, mask).input_ids.numel()
-            times = {lay: time_steps(net, samples, lay, args.repeats) for lay in layouts}
+            times = time_layouts(net, samples, layouts, args.repeats)
             row = {
                 "model": name, "batch": kind, "tokens": real,
                 "padded_cells": padded_cells, "packed_cells": packed_cells, "step_s": times,

@@ -169,18 +169,38 @@ def main() -> None:
             label += (" jitter" if jit else "") + (" long" if pre else "")
             print(f"{label}: {best['wall_s']:.2f} s, {best['episodes_per_s']:.1f} ep/s, "
                   f"{best['sampled_tokens_per_s']:.0f} tok/s", flush=True)  # fmt: skip
+    # History reuse on a wider model (hidden 256, 4 layers), where recomputing a long
+    # history costs more than copying its cache: the same long-prompt cell.
+    wide_dir = random_model(ROOT / "runs" / "rollout", wide=True)
+    wide, wide_tok = load_model(wide_dir), load_tokenizer(wide_dir)
+    for name, reuse in (("reuse", True), ("no_reuse", False)):
+        backend = TorchBackend(wide, wide_tok, reuse_history=reuse)
+        runs = [
+            cell(backend, ChatRenderer(wide_tok), stops, episodes=64, calls=3, latency=0.0,
+                 jitter=False, tokens_per_turn=4 * args.stop_every, seed=r, preamble=long)
+            for r in range(args.repeats)
+        ]  # fmt: skip
+        best = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]
+        best.update(history_reuse=reuse, wall_s_runs=[r["wall_s"] for r in runs])
+        best["context"] = "long, wider model"
+        results.append(best)
+        print(f"wide {name}: {best['wall_s']:.2f} s", flush=True)
     write(args, results)
 
 
-def random_model(work: Path) -> Path:
-    """A random tiny model with the default tokenizer (built once, cached)."""
+def random_model(work: Path, wide: bool = False) -> Path:
+    """A random tiny model (or a wider one: hidden 256, 4 layers) with the default
+    tokenizer, built once and cached."""
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
 
-    start = work / "random-model" / "start_model"
+    name = "random-wide-model" if wide else "random-model"
+    start = work / name / "start_model"
     if not (start / "config.json").is_file():
         overrides = ["steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
-        train(load_config("quickstart", overrides), work / "random-model", progress=False)
+        if wide:
+            overrides += ["model.hidden_size=256", "model.num_layers=4"]
+        train(load_config("quickstart", overrides), work / name, progress=False)
     return start
 
 
@@ -217,6 +237,9 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     lines = [
         "# Rollout cost curve",
         "",
+        "Rows marked *wider* use a random model of hidden size 256 and 4 layers; the others "
+        "the tiny model (64, 2 layers).",
+        "",
         f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; random tiny model whose "
         f"turn ends on any of 1/{args.stop_every} of the token ids (mean about "
         f"{args.stop_every} tokens, at most {4 * args.stop_every}); each turn but the last "
@@ -228,8 +251,9 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     ]
     for r in results:
         lat = f"{r['latency_s'] * 1000:.0f} ms" + (" (uniform 0-2x)" if r["jitter"] else "")
+        wider = " (*wider*)" if "wider" in r["context"] else ""
         lines.append(
-            f"| {'yes' if r['history_reuse'] else 'no'} | {r['prompt_tokens']:.0f} | "
+            f"| {'yes' if r['history_reuse'] else 'no'}{wider} | {r['prompt_tokens']:.0f} | "
             f"{r['episodes']} | {r['calls']} | "
             f"{lat} | {r['wall_s']:.2f} | {r['episodes_per_s']:.1f} | "
             f"{r['sampled_tokens_per_s']:.0f} | {r['turns_mean']:.1f} |"

@@ -23,6 +23,10 @@ from transformers import DynamicCache
 
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
+Prefill = tuple[list[int], torch.Tensor, torch.Tensor, Any, int]
+"""One prefill forward: which of the requests it covers, their input ids, attention mask,
+the cache of any kept history, and how many columns that cache spans."""
+
 
 class Waiter(Protocol):
     """Who receives one request's completion (or the error that ended it)."""
@@ -43,8 +47,8 @@ class _Row:
 class DecodeBatch:
     """The running batch of one backend. Not thread-safe: one thread drives it.
 
-    ``prefill(requests)`` is the backend's: the inputs of a prefill forward for new
-    requests (ids, mask, cache of any kept history, cached width). ``store(request,
+    ``prefill(requests)`` is the backend's: the prefill forwards for new requests (each
+    covering some of them: ids, mask, cache of any kept history, cached width). ``store(request,
     tokens, layers)`` keeps a finished row's history for its next turn.
     """
 
@@ -54,7 +58,7 @@ class DecodeBatch:
         tokenizer: Any,
         *,
         vocab_size: int,
-        prefill: Callable[[Sequence[GenerationRequest]], tuple[Any, Any, Any, int]],
+        prefill: Callable[[Sequence[GenerationRequest]], list[Prefill]],
         store: Callable[
             [GenerationRequest, list[int], list[tuple[torch.Tensor, torch.Tensor]]], None
         ]
@@ -98,8 +102,9 @@ class DecodeBatch:
     # ------------------------------------------------------------------ joining
 
     def admit(self, items: Sequence[tuple[GenerationRequest, Waiter]]) -> None:
-        """Prefill ``items``' requests in one forward pass and add them to the batch. A
-        request with an empty prompt fails alone; one with no token budget is done."""
+        """Prefill ``items``' requests (one forward per part the backend plans) and add
+        them to the batch. A request with an empty prompt fails alone; one with no token
+        budget is done."""
         live = []
         for request, waiter in items:
             if not request.prompt_ids:
@@ -111,9 +116,20 @@ class DecodeBatch:
                 live.append((request, waiter))
         if not live:
             return
+        requests = [r for r, _ in live]
+        for part, input_ids, attn, past, cached in self._prefill(requests):
+            self._admit_part([live[i] for i in part], input_ids, attn, past, cached)
+
+    def _admit_part(
+        self,
+        live: list[tuple[GenerationRequest, Waiter]],
+        input_ids: torch.Tensor,
+        attn: torch.Tensor,
+        past: Any,
+        cached: int,
+    ) -> None:
         device = self.device
         requests = [r for r, _ in live]
-        input_ids, attn, past, cached = self._prefill(requests)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, cached:]
         out = self.model(
             input_ids=input_ids,
@@ -233,7 +249,7 @@ class DecodeBatch:
             real = self.attn[i].nonzero().squeeze(-1)
             seq_len = len(row.request.prompt_ids) + len(row.tokens) - 1
             if len(real) == seq_len:  # the expected layout, else keep nothing
-                layers = [(k[i][:, real].clone(), v[i][:, real].clone()) for k, v in self.layers]
+                layers = [(k[i][:, real], v[i][:, real]) for k, v in self.layers]  # copies
                 self._store(row.request, row.tokens, layers)
         row.waiter.deliver(self._completion(row, reason))
         self._finished.append(row.waiter)

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache
 
-from turnrl.backends.engine import DecodeBatch, Waiter
+from turnrl.backends.engine import DecodeBatch, Prefill, Waiter
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
 from turnrl.types import Completion, GenerationRequest
 
@@ -153,19 +153,25 @@ class TorchBackend:
             raise outcome["error"]
         return outcome["value"]  # type: ignore[no-any-return]
 
-    def _prefill_inputs(
-        self, requests: Sequence[GenerationRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
-        """The inputs of one prefill forward for ``requests``: a kept history is reused
-        where one exists, else the batch's common prompt prefix runs once."""
+    def _prefill_inputs(self, requests: Sequence[GenerationRequest]) -> list[Prefill]:
+        """The prefill forwards for ``requests``: one for the requests that continue a
+        kept history (only their new tokens run), one for the others (their common prompt
+        prefix run once). Kept apart, a history-less prompt does not widen the rows that
+        continue a history with padding as long as itself."""
         device = next(self.model.parameters()).device
         hits: list[tuple[int, list[LayerKV]] | None] = [None] * len(requests)
         if self.prefix_cache is not None:
             self.prefix_cache.sync(self.policy_version)
             hits = [self.prefix_cache.longest_prefix(r.prompt_ids) for r in requests]
-        if any(h is not None for h in hits):
-            return self._reuse(requests, hits, device)
-        return self._share(requests, device)
+        reuse = [i for i, h in enumerate(hits) if h is not None]
+        fresh = [i for i, h in enumerate(hits) if h is None]
+        out = []
+        if reuse:
+            chosen = [requests[i] for i in reuse]
+            out.append((reuse, *self._reuse(chosen, [hits[i] for i in reuse], device)))
+        if fresh:
+            out.append((fresh, *self._share([requests[i] for i in fresh], device)))
+        return out
 
     def _keep_history(
         self, request: GenerationRequest, tokens: list[int], layers: list[LayerKV]
