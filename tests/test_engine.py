@@ -243,3 +243,22 @@ def test_runs_are_reproducible_to_the_bit_whatever_the_threads_timing(
         runs.append([t.to_json() for g in backend.run(program) for t in g])
     assert sum(len(t["turns"]) for t in runs[0]) > len(runs[0])  # follow-up turns happened
     assert runs[0] == runs[1]  # same tokens and the very same float log-probs
+
+
+def test_a_growing_layer_appends_in_place_and_grows_like_a_dynamic_one() -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    from turnrl.backends.engine import GrowingLayer
+
+    k0, v0 = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    growing, plain = GrowingLayer(k0, v0, room=2), DynamicLayer()
+    plain.update(k0, v0)
+    buffer = growing._k
+    for n in (1, 1, 3, 1):  # the third append outgrows the room: the buffer doubles
+        k, v = torch.randn(2, 3, n, 5), torch.randn(2, 3, n, 5)
+        got, want = growing.update(k, v), plain.update(k, v)
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(got[1], want[1])
+        assert growing.get_seq_length() == plain.get_seq_length()
+    assert growing._k is not buffer  # it grew once
+    assert growing._k.shape[2] >= growing.get_seq_length()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
@@ -222,9 +223,8 @@ class DecodeBatch:
         positions = self.attn.sum(-1, keepdim=True)  # each row's real tokens so far
         self.attn = torch.cat([self.attn, self.attn.new_ones((len(self.rows), 1))], dim=1)
         if self.cache is None:  # rows joined or left: a cache of the new layers (one copy)
-            self.cache = DynamicCache()
-            for layer, (k, v) in enumerate(self.layers):
-                self.cache.update(k, v, layer)
+            room = int(self.uniforms.shape[1]) + 1  # the longest remaining budget fits
+            self.cache = growing_cache(self.layers, room)
         out = self.model(
             input_ids=tok[:, None],
             attention_mask=self.attn,
@@ -284,6 +284,53 @@ class DecodeBatch:
         self.temps = self.temps.index_select(0, index)
         self.top_ps = self.top_ps.index_select(0, index)
         self.stop_table = self.stop_table.index_select(0, index)
+
+
+class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """One layer's keys and values in a buffer with room to grow: a decode step writes
+    its position in place instead of copying the whole cache (``DynamicLayer`` appends
+    with ``torch.cat``, a copy of every key and value at every step). The buffer doubles
+    when full, so appending stays amortised O(new tokens)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        b, h, n, d = keys.shape
+        self._k = keys.new_empty((b, h, n + room, d))
+        self._v = values.new_empty((b, h, n + room, values.shape[-1]))
+        self._k[:, :, :n] = keys
+        self._v[:, :, :n] = values
+        self._n = n
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._k[:, :, : self._n]
+        self.values = self._v[:, :, : self._n]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if self._n + new > self._k.shape[2]:
+            room = max(self._k.shape[2], new)
+            for name in ("_k", "_v"):
+                old = getattr(self, name)
+                grown = old.new_empty((*old.shape[:2], old.shape[2] + room, old.shape[3]))
+                grown[:, :, : self._n] = old[:, :, : self._n]
+                setattr(self, name, grown)
+        self._k[:, :, self._n : self._n + new] = key_states
+        self._v[:, :, self._n : self._n + new] = value_states
+        self._n += new
+        self._views()
+        return self._k[:, :, : self._n], self._v[:, :, : self._n]
+
+
+def growing_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> Any:
+    """A ``DynamicCache`` over ``layers`` whose appends write in place (``GrowingLayer``)."""
+    cache = DynamicCache()
+    cache.layers = [GrowingLayer(k, v, room) for k, v in layers]
+    return cache
 
 
 def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
