@@ -97,6 +97,8 @@ def cell(
     )  # fmt: skip
     spec = GroupSpec(1, limits, SamplingParams(1.0, 1.0, stops), seed=seed)
     backend.policy_version += 1  # a fresh cache: nothing from the previous cell is reused
+    cache = backend.prefix_cache
+    hits_before = cache.hits if cache is not None else 0
     t0 = time.perf_counter()
     groups = backend.run(
         collect_groups(tasks, lambda: SleepyToolEnv(calls, latency, jitter), backend,
@@ -120,6 +122,9 @@ def cell(
         "sampled_tokens_per_s": sampled / wall,
         "sampled_tokens": sampled,
         "turns_mean": statistics.mean(len(t.turns) for t in trajs),
+        "template_breaks": sum(t.template_breaks for t in trajs),
+        "later_turns": sum(len(t.turns) - 1 for t in trajs),
+        "history_hits": (cache.hits - hits_before) if cache is not None else 0,
     }
 
 
@@ -246,8 +251,8 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         f"is one tool call; median of {args.repeats} batches.",
         "",
         "| history reuse | prompt tokens | episodes | calls | tool latency | wall s | episodes/s "
-        "| sampled tok/s | turns/episode |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| sampled tok/s | turns/episode | later turns: history hits / template breaks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lat = f"{r['latency_s'] * 1000:.0f} ms" + (" (uniform 0-2x)" if r["jitter"] else "")
@@ -256,7 +261,8 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
             f"| {'yes' if r['history_reuse'] else 'no'}{wider} | {r['prompt_tokens']:.0f} | "
             f"{r['episodes']} | {r['calls']} | "
             f"{lat} | {r['wall_s']:.2f} | {r['episodes_per_s']:.1f} | "
-            f"{r['sampled_tokens_per_s']:.0f} | {r['turns_mean']:.1f} |"
+            f"{r['sampled_tokens_per_s']:.0f} | {r['turns_mean']:.1f} | "
+            f"{r['later_turns']}: {r['history_hits']} / {r['template_breaks']} |"
         )
     if target:
         lines += [
