@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import random
 import statistics
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from turnrl.backends.torch_backend import TorchBackend
-from turnrl.models.loading import load_model, load_tokenizer
+from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
@@ -141,10 +142,11 @@ def main() -> None:
     model_dir = args.model or random_model(ROOT / "runs" / "rollout")
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     renderer = ChatRenderer(tokenizer)
-    # A turn ends when the random model samples one of every ``--stop-every``-th token id
-    # (a geometric length, mean about that many tokens), capped at 4x that.
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    stops = tuple(range(0, vocab, args.stop_every))
+    # A turn ends when the random model samples its end-of-turn token, which a bias on the
+    # output layer makes about 1 in ``--stop-every`` likely (a geometric length, capped at
+    # 4x that). Turns end as a chat template expects, so the history re-renders exactly.
+    end_of_turn_bias(model, tokenizer, args.stop_every)
+    stops = stop_token_ids(tokenizer)
     concurrency = [1, 8, 64] if args.quick else [1, 4, 16, 64]
     latencies = [0.0, 0.05, 0.5]
     plan = [(c, k, lat, False, "") for c in concurrency for k in (1, 3) for lat in latencies]
@@ -178,6 +180,7 @@ def main() -> None:
     # history costs more than copying its cache: the same long-prompt cell.
     wide_dir = random_model(ROOT / "runs" / "rollout", wide=True)
     wide, wide_tok = load_model(wide_dir), load_tokenizer(wide_dir)
+    end_of_turn_bias(wide, wide_tok, args.stop_every)
     for name, reuse in (("reuse", True), ("no_reuse", False)):
         backend = TorchBackend(wide, wide_tok, reuse_history=reuse)
         runs = [
@@ -191,6 +194,20 @@ def main() -> None:
         results.append(best)
         print(f"wide {name}: {best['wall_s']:.2f} s", flush=True)
     write(args, results)
+
+
+def end_of_turn_bias(model: Any, tokenizer: Any, mean_tokens: int) -> None:
+    """Give the random model's output layer a bias that makes ``<|im_end|>`` about
+    1/``mean_tokens`` likely at each step (its other logits are near-uniform)."""
+    end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    old = model.get_output_embeddings()
+    vocab = int(old.weight.shape[0])
+    biased = torch.nn.Linear(old.in_features, vocab, bias=True)
+    biased.weight = old.weight  # the same parameter (tied embeddings stay tied)
+    with torch.no_grad():
+        biased.bias.zero_()
+        biased.bias[end] = math.log((vocab - 1) / (mean_tokens - 1))
+    model.set_output_embeddings(biased)
 
 
 def random_model(work: Path, wide: bool = False) -> Path:
@@ -245,8 +262,8 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         "Rows marked *wider* use a random model of hidden size 256 and 4 layers; the others "
         "the tiny model (64, 2 layers).",
         "",
-        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; random tiny model whose "
-        f"turn ends on any of 1/{args.stop_every} of the token ids (mean about "
+        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}; random model whose "
+        f"end-of-turn token is biased to about 1 in {args.stop_every} (mean turn about "
         f"{args.stop_every} tokens, at most {4 * args.stop_every}); each turn but the last "
         f"is one tool call; median of {args.repeats} batches.",
         "",
