@@ -9,7 +9,9 @@ the tokens no kept history covers) and merges them into the running batch, so an
 episode back from its tool call does not wait for the rest of the batch to finish.
 
 Each row draws its uniforms from its own seed, so its tokens do not depend on which other
-rows share a step (to float rounding of the batched forward).
+rows share a step (to float rounding of the batched forward; the backend's lockstep makes
+even that reproducible). Decode steps append keys and values in place (``GrowingLayer``);
+the cache is copied only when rows join or leave.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class DecodeBatch:
     """The running batch of one backend. Not thread-safe: one thread drives it.
 
     ``prefill(requests)`` is the backend's: the prefill forwards for new requests (each
-    covering some of them: ids, mask, cache of any kept history, cached width). ``store(request,
-    tokens, layers)`` keeps a finished row's history for its next turn.
+    covering some of them: ids, mask, cache of any kept history, cached width).
+    ``store(request, tokens, layers)`` keeps a finished row's history for its next turn.
     """
 
     def __init__(

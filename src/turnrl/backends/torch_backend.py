@@ -99,9 +99,8 @@ class TorchBackend:
         hits: Sequence[tuple[int, list[LayerKV]] | None],
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
-        """Prefill inputs when some rows continue a cached history. Layout: [left padding]
-        [row's cached tokens] [left padding][row's new tokens]; only the new tokens run.
-        Rows without a hit have an empty cached part."""
+        """Prefill inputs for rows that continue a cached history. Layout: [left padding]
+        [row's cached tokens] [left padding][row's new tokens]; only the new tokens run."""
         B = len(requests)
         cached = [h[0] if h is not None else 0 for h in hits]
         width = max(cached)
