@@ -20,13 +20,14 @@ $(STAMP): pyproject.toml
 
 # apt packages the tests use, installed where root has apt: bubblewrap isolates the code
 # sandbox (turnrl.tools.sandbox); chromium + chromium-driver render report.html in the
-# browser test.
-APT_PACKAGES := bubblewrap chromium chromium-driver
+# browser test; python3-pytest runs the swe libraries' own tests under /usr/bin/python3.
+APT_PACKAGES := bubblewrap chromium chromium-driver python3-pytest
 setup: $(STAMP)
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	/usr/bin/python3 -c "import pytest" >/dev/null 2>&1 || missing="$$missing python3-pytest"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
