@@ -136,3 +136,26 @@ def test_budgets_are_checked_in_order(tokenizer: Any, budget: int) -> None:
     env = ToolEnv(ToolSet([ping]), HERMES, verifier, max_calls_per_turn=budget)
     traj = play(tokenizer, env, [calls("ping", "ping"), "done"])
     assert [r.ok for r in traj.tool_calls] == [True] * budget + [False] * (2 - budget)
+
+
+def test_an_async_verifier_is_awaited() -> None:
+    """A verifier that has work to do (run a test suite) may be a coroutine."""
+    seen: list[str] = []
+
+    async def verify(task: Task, answer: str) -> Any:
+        await asyncio.sleep(0)
+        seen.append(answer)
+        return exact_match(answer, "42")
+
+    env = ToolEnv(ToolSet([]), get_format("hermes"), verify)
+    task = Task(id="t", prompt=({"role": "user", "content": "?"},), answer="42")
+
+    async def episode() -> Any:
+        await env.reset(task, 0)
+        return await env.step("42")
+
+    result = asyncio.run(episode())
+    assert seen == ["42"]
+    assert result.terminated
+    assert result.reward == 1.0
+    assert result.info["success"] is True

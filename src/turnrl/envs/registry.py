@@ -11,6 +11,7 @@ from turnrl.envs.search_qa import SearchQA
 from turnrl.envs.secret_lookup import SecretLookup
 from turnrl.envs.service import Service
 from turnrl.envs.shop import Shop
+from turnrl.envs.swe.env import SWE
 from turnrl.envs.tool_math import ToolMath
 from turnrl.errors import ConfigError
 from turnrl.protocols import Env
@@ -46,6 +47,7 @@ ENVIRONMENTS: dict[str, type[Any]] = {
     "shop": Shop,
     "service": Service,
     "tool_math": ToolMath,
+    "swe": SWE,
 }
 
 

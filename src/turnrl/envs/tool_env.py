@@ -21,7 +21,7 @@ from turnrl.rewards.composite import CompositeReward, gold_calls
 from turnrl.tools import ToolSet
 from turnrl.types import Message, StepResult, Task, ToolCall, ToolCallRecord
 
-Verifier = Callable[[Task, str], Verdict]
+Verifier = Callable[[Task, str], Verdict | Awaitable[Verdict]]
 
 
 class ToolEnv:
@@ -95,6 +95,8 @@ class ToolEnv:
             self.calls += parsed.tool_calls
             return await self._run_calls(parsed.tool_calls)
         verdict = self.verifier(self.task, parsed.answer or "")
+        if inspect.isawaitable(verdict):  # a verifier that runs something (swe's tests)
+            verdict = await verdict
         if self.reward is not None:
             verdict = self.reward.combine(
                 verdict, calls=self.calls, format_errors=self.format_errors,

@@ -1,5 +1,4 @@
-"""Real libraries for the ``swe`` environment (its environment proper, with tools and a
-verifier, is not written yet): pinned PyPI source distributions with their
+"""Real libraries for the ``swe`` environment: pinned PyPI source distributions with their
 own test suites, fetched once and cached, and the bugs that their tests catch.
 
 ``Library.fetch()`` downloads the sdist (``pip download --no-binary :all: --no-deps``) into
