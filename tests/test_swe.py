@@ -32,7 +32,7 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SWE]:
     old = os.environ.get("TURNRL_CACHE")
     os.environ["TURNRL_CACHE"] = str(cache)
     try:
-        yield SWE(num_bugs=3)
+        yield SWE(libraries=("toolz",), num_bugs=3)
     finally:
         if old is None:
             del os.environ["TURNRL_CACHE"]
@@ -67,7 +67,7 @@ def test_the_check_passes_and_the_oracle_fixes_every_bug(spec: SWE) -> None:
 
 
 def test_tasks_are_seeded_and_name_the_failing_tests(spec: SWE) -> None:
-    assert spec.task(2, "train") == SWE(num_bugs=3).task(2, "train")
+    assert spec.task(2, "train") == SWE(libraries=("toolz",), num_bugs=3).task(2, "train")
     task = spec.task(0, "test")
     assert task.metadata["fail_to_pass"][0].split("::")[0] in str(task.prompt[0]["content"])
 

@@ -122,3 +122,15 @@ def test_real_bugs_in_toolz_break_its_own_tests(tmp_path: Path) -> None:
     state = (checkout.dir / "mutants-seed0.json").read_text()
     assert Checkout(TOOLZ, root=tmp_path).mutants(2) == mutants  # from the cache
     assert (checkout.dir / "mutants-seed0.json").read_text() == state  # nothing re-run
+
+
+@needs_pytest
+@pytest.mark.parametrize("name", ["cachetools", "isodate"])
+def test_src_layout_libraries_have_real_bugs_too(name: str, tmp_path: Path) -> None:
+    from turnrl.envs.swe.env import LIBRARIES
+
+    checkout = Checkout(LIBRARIES[name], root=tmp_path)
+    assert len(checkout.baseline().passed()) > 100
+    (mutant,) = checkout.mutants(1)
+    assert mutant.fail_to_pass
+    assert mutant.path.startswith(f"src/{name}/")

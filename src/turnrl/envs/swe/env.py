@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import random
 import shutil
@@ -26,6 +27,7 @@ from pathlib import Path
 from turnrl.envs.card import EnvCard
 from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.envs.swe.library import (
+    TEST_ENV,
     TEST_PYTHON,
     Checkout,
     Library,
@@ -45,6 +47,10 @@ from turnrl.types import Message, Task, ToolCall
 
 LIBRARIES = {
     "toolz": Library("toolz", "1.1.0", package="toolz", tests="toolz/tests"),
+    "cachetools": Library(
+        "cachetools", "6.2.1", package="src/cachetools", tests="tests", import_root="src"
+    ),
+    "isodate": Library("isodate", "0.7.2", package="src/isodate", tests="tests", import_root="src"),
 }
 """The pinned libraries (their sdists ship tests that pass offline)."""
 
@@ -58,7 +64,7 @@ MAX_HITS = 40
 class SWE:
     """SWE-style bug fixing in a real library, graded by its own tests; see the module docstring."""
 
-    libraries: tuple[str, ...] = ("toolz",)
+    libraries: tuple[str, ...] = ("toolz", "cachetools", "isodate")
     num_bugs: int = 40
     """Validated bugs per library (built once per machine, cached; the test split is one
     bug in five)."""
@@ -150,7 +156,7 @@ class SWE:
         """Format-only turns: look at a random file, run the tests, answer done."""
         hermes = get_format("hermes")
         library = LIBRARIES[rng.choice(self.libraries)]
-        path = f"{library.package}/{rng.choice(['core', 'utils', 'itertoolz', 'functoolz'])}.py"
+        path = f"{library.package}/{rng.choice(['__init__', 'core', 'utils'])}.py"
         return [
             hermes.render_call(ToolCall("read_file", {"path": path, "start": rng.randint(1, 50)})),
             hermes.render_call(ToolCall("run_tests", {"tests": ""})),
@@ -366,7 +372,7 @@ class Workspace:
         paths = tests.split() or [library.tests]
         for p in paths:
             self._path(p.split("::")[0])
-        outcomes, text = await self._pytest(REPO, paths)
+        outcomes, text = await self._pytest(REPO, paths, library.import_root)
         failed = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
         passed = sum(o == "PASSED" for o in outcomes.values())
         summary = f"{passed} passed, {len(failed)} failed"
@@ -377,16 +383,21 @@ class Workspace:
         details = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
         return summary + "\n" + "\n".join(details[:15])
 
-    async def _pytest(self, where: str, paths: list[str]) -> tuple[dict[str, str], str]:
-        """Run pytest in ``where`` (under the slot's work dir) inside the sandbox."""
+    async def _pytest(
+        self, where: str, paths: list[str], import_root: str
+    ) -> tuple[dict[str, str], str]:
+        """Run pytest in ``where`` (under the slot's work dir) inside the sandbox, the
+        package importable from ``import_root`` (relative to ``where``)."""
         assert self.slot is not None
         sandbox = self.spec._sandbox
         inner = os.path.join(sandbox.code_workdir(self.slot), where)
-        script = (
-            "import os, sys; os.chdir(sys.argv[1]); sys.path.insert(0, '.'); import pytest; "
-            "sys.exit(pytest.main(sys.argv[2:]))"
+        script = (  # the test environment, then pytest in a fresh interpreter
+            "import json, os, sys; os.chdir(sys.argv[1]); env = dict(os.environ, "
+            "**json.loads(sys.argv[3]), PYTHONPATH=os.path.abspath(sys.argv[2])); "
+            "os.execve(sys.executable, [sys.executable, *sys.argv[4:]], env)"
         )
-        argv = [TEST_PYTHON, "-c", script, inner, *pytest_argv(paths)[2:]]
+        argv = [TEST_PYTHON, "-c", script, inner, import_root, json.dumps(TEST_ENV),
+                *pytest_argv(paths)]  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             *sandbox.command(self.slot, argv), **sandbox.popen_kwargs(self.slot),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -410,7 +421,8 @@ class Workspace:
         checkout = self.spec._checkouts[LIBRARIES_BY_KEY[self.bug.library]]
         graded = self.slot.workdir / "graded"
         await asyncio.to_thread(self._assemble, checkout, graded)
-        outcomes, _ = await self._pytest("graded", [checkout.library.tests])
+        library = checkout.library
+        outcomes, _ = await self._pytest("graded", [library.tests], library.import_root)
         baseline = checkout.baseline().passed()
         fail_to_pass = set(self.bug.fail_to_pass)
         pass_to_pass = baseline - fail_to_pass

@@ -34,6 +34,12 @@ from turnrl.errors import ConfigError
 TEST_PYTHON = "/usr/bin/python3"
 """The interpreter tests run under, here and in the sandbox (world-readable, has pytest)."""
 
+TEST_ENV = {"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+"""Test runs' environment, here and in the sandbox. A fixed hash seed keeps test ids
+stable: some suites build parameter ids from set order (isodate's ``expectedN``)."""
+CACHE_FORMAT = 2
+"""Bumped when cached baselines or mutants would no longer match (v2: fixed hash seed)."""
+
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)", re.MULTILINE)
 
 
@@ -49,6 +55,8 @@ class Library:
     """The tests' directory inside the sdist (e.g. ``toolz/tests``)."""
     modules: tuple[str, ...] = ()
     """Package modules to mutate (paths inside the sdist); empty: every non-test module."""
+    import_root: str = "."
+    """Where the package is imported from, inside the sdist (``src`` for a src layout)."""
 
     @property
     def key(self) -> str:
@@ -93,9 +101,11 @@ def pytest_argv(paths: list[str]) -> list[str]:
     return ["-m", "pytest", "-q", "-rA", "--tb=line", "-p", "no:cacheprovider", *paths]
 
 
-def run_pytest(root: Path, paths: list[str], timeout_s: float = 120.0) -> TestRun:
+def run_pytest(
+    root: Path, paths: list[str], timeout_s: float = 120.0, import_root: str = "."
+) -> TestRun:
     """Run the library's tests in ``root`` as a plain subprocess (trusted code only)."""
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**TEST_ENV, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(root / import_root)}
     try:
         done = subprocess.run(
             [TEST_PYTHON, *pytest_argv(paths)], cwd=root, env=env, capture_output=True,
@@ -122,7 +132,7 @@ class Checkout:
 
     def __init__(self, library: Library, root: Path | None = None) -> None:
         self.library = library
-        self.dir = (root or cache_root()) / library.key
+        self.dir = (root or cache_root()) / f"{library.key}-v{CACHE_FORMAT}"
         self.tree = self.dir / "src"
 
     def fetch(self) -> Path:
@@ -166,7 +176,7 @@ class Checkout:
         if path.is_file():
             return TestRun(**json.loads(path.read_text()))
         check_test_python()
-        run = run_pytest(self.fetch(), [self.library.tests])
+        run = run_pytest(self.fetch(), [self.library.tests], import_root=self.library.import_root)
         if not run.passed():
             raise ConfigError(f"{self.library.key}: no test passes on the pristine library")
         path.write_text(json.dumps(asdict(run)))
@@ -198,7 +208,9 @@ class Checkout:
             shutil.copytree(tree, work)
             original = (tree / module).read_text()
             (work / module).write_text(apply(original, mutation))
-            run = run_pytest(work, [self.library.tests], timeout_s=60)
+            run = run_pytest(
+                work, [self.library.tests], timeout_s=60, import_root=self.library.import_root
+            )
             broken = sorted(t for t in passing if run.outcomes.get(t) in ("FAILED", "ERROR"))
             if run.returncode == -1 or not run.outcomes or not broken:
                 continue  # a hang, a crash at import, or a bug no test sees
