@@ -240,7 +240,11 @@ class Workspace:
         checkout = self.spec._checkouts[LIBRARIES_BY_KEY[self.bug.library]]
         sandbox = self.spec._sandbox
         self.slot = await asyncio.to_thread(sandbox.acquire)
-        await asyncio.to_thread(self._prepare, checkout.tree, self.bug)
+        try:
+            await asyncio.to_thread(self._prepare, checkout.tree, self.bug)
+        except BaseException:
+            await self.close()  # the tools are not returned, so nothing else would
+            raise
         tools = [
             Tool.from_function(self.list_files),
             Tool.from_function(self.read_file),
