@@ -181,9 +181,11 @@ def main() -> None:
         "- episodes/s: one process, no model; random: task generation + reset + steps; oracle: "
         "the same plus the oracle's planning (Sokoban: a breadth-first solver).",
         "- swe: 40 test tasks (the test split is one validated bug in five of 40 per library, "
-        "so bugs repeat); the oracle makes the inverse edit, runs the failing tests and "
-        "answers; the random policy reads a file, runs the suite and answers; each episode "
-        "runs the library's tests in the sandbox (and the grading run).",
+        "so bugs repeat); the oracle reads the lines around the bug, makes the inverse edit, "
+        "runs the failing tests and answers; the random policy reads a random module, runs "
+        "one test file and answers; each episode runs tests in the sandbox twice (its own "
+        "run and the grading run of the whole suite). The bugs are found once per machine "
+        "(`python -m turnrl.envs.swe`) and are not timed.",
         f"- all requirements met: {'yes' if not failures else 'NO: ' + ', '.join(failures)}",
     ]
     args.out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -1,42 +1,51 @@
 """``swe``: fix a single-site bug in a real library, checked by the library's own tests.
 
-Each task is one validated bug (``library.Checkout.mutants``) in a pinned library. The
-episode's workspace is a copy of the library with the bug, in a sandbox slot's work dir.
-Tools (hermes format): ``list_files``, ``read_file``, ``search``, ``edit_file`` on the host,
-confined to the workspace (paths are resolved and must stay inside it, so a symlink made
-by sandboxed code cannot lead out), and ``run_tests``, which runs pytest on the model's
-code inside the sandbox. When the model answers, the verifier rebuilds the library from
-the pristine sdist with only the package's modules taken from the workspace (tests,
-conftest files and configuration always pristine: editing, deleting or skipping tests
-changes nothing) and runs the whole suite in the sandbox. Reward 1 exactly when every
-test that failed because of the bug passes and every test that passed still passes.
+Each task is one validated bug (``library.Checkout.mutants``: a single-site AST mutation
+that makes at least one passing test fail) in a pinned library. The episode's workspace
+is a copy of the library with the bug, in a sandbox slot's work dir. Tools (hermes
+format): ``list_files``, ``read_file``, ``search`` and ``edit_file`` run on the host,
+confined to the workspace; ``run_tests`` runs the library's tests on the model's code
+inside the sandbox. When the model answers, the verifier grades a fresh tree: the pristine
+sdist with only the package's modules taken from the workspace (tests, conftest files and
+configuration always pristine; a module deleted in the workspace is deleted there too),
+whose whole suite runs in the sandbox; outcomes come from the runner's report, never from
+what the code under test prints (``runner``). Reward 1 exactly when every test that failed
+because of the bug passes and every test that passed still passes; the share of each is
+logged as a component.
+
+Reward hacks this closes, each probed in tests/test_swe.py: editing, emptying or deleting
+the failing tests, a conftest.py that skips or passes everything, a package that skips its
+importers, printing pytest's "PASSED" lines, deleting the buggy module (the pristine copy
+does not come back), deleting the package (a copy installed in the system does not count).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import random
+import secrets
+import shlex
 import shutil
+import stat
+import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from turnrl.envs.card import EnvCard
 from turnrl.envs.policy import Policy, demonstration_corpus
-from turnrl.envs.swe.library import (
-    TEST_ENV,
-    TEST_PYTHON,
-    Checkout,
-    Library,
-    Mutant,
-    check_test_python,
-    parse_outcomes,
-    pytest_argv,
-)
+from turnrl.envs.swe.library import Checkout, Library, Mutant, check_test_python, is_module
 from turnrl.envs.swe.mutate import apply
+from turnrl.envs.swe.runner import (
+    TEST_PYTHON,
+    TestRun,
+    package_name,
+    read_report,
+    runner_argv,
+)
 from turnrl.envs.tool_env import ToolEnv
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
@@ -56,8 +65,16 @@ LIBRARIES = {
 
 REPO = "repo"
 """The library's tree inside the slot's work dir (what the model's tools see)."""
-MAX_LINES = 200
+MAX_LINES = 120
+"""Lines ``read_file`` shows at most per call."""
+READ_OUTPUT_CHARS = 12_000
 MAX_HITS = 40
+MAX_ENTRIES = 200
+MAX_FAILURES = 10
+MAX_FILE_BYTES = 1_000_000
+"""Files larger than this are refused by the tools and left out of grading."""
+MAX_MODULES = 500
+MAX_LOG_BYTES = 4000
 
 
 @dataclass(frozen=True)
@@ -65,12 +82,17 @@ class SWE:
     """SWE-style bug fixing in a real library, graded by its own tests; see the module docstring."""
 
     libraries: tuple[str, ...] = ("toolz", "cachetools", "isodate")
+    """Libraries whose bugs make the tasks (keys of ``LIBRARIES``)."""
     num_bugs: int = 40
-    """Validated bugs per library (built once per machine, cached; the test split is one
-    bug in five)."""
+    """Validated bugs per library (found once per machine and cached; the test split is
+    one bug in five)."""
     max_tool_calls: int = 30
-    test_timeout_s: float = 120.0
+    """Tool calls per episode."""
+    test_timeout_s: float = 60.0
+    """Wall-clock limit of one test run in the sandbox (``run_tests`` and grading)."""
     seed: int = 0
+    """Seed of the task stream (which bug each index gets). The bugs themselves do not
+    depend on it: every seed draws from the same cached list."""
 
     name = "swe"
     chance = 0.0
@@ -92,7 +114,7 @@ class SWE:
 
     @functools.cached_property
     def _bugs(self) -> list[Mutant]:
-        return [m for c in self._checkouts.values() for m in c.mutants(self.num_bugs, self.seed)]
+        return [m for c in self._checkouts.values() for m in c.mutants(self.num_bugs)]
 
     @functools.cached_property
     def _sandbox(self) -> Sandbox:
@@ -133,38 +155,43 @@ class SWE:
         return SweEnv(Workspace(self), self.max_tool_calls)
 
     def oracle(self, task: Task) -> Policy:
-        """Undoes the bug with one ``edit_file`` (the mutated line back to the pristine
-        one), runs the failing tests, answers done."""
+        """Reads the lines around the bug, undoes it with one ``edit_file`` (the mutated
+        lines back to the pristine ones), runs the failing tests, answers done."""
         bug = self._bug(task)
         pristine = (self._checkouts[LIBRARIES_BY_KEY[bug.library]].tree / bug.path).read_text()
         old, new = _unique_hunk(pristine, apply(pristine, bug.mutation), bug.mutation.lineno)
-        hermes = get_format("hermes")
-        edit = hermes.render_call(ToolCall("edit_file", {"path": bug.path, "old": old, "new": new}))
-        run = hermes.render_call(ToolCall("run_tests", {"tests": " ".join(bug.fail_to_pass)}))
+        line = bug.mutation.lineno
+        turns = [
+            _call("read_file", path=bug.path, start=max(1, line - 10), end=line + 10),
+            _call("edit_file", path=bug.path, old=old, new=new),
+            _call("run_tests", tests=shlex.join(bug.fail_to_pass)),
+        ]
 
         def policy(messages: Sequence[Message]) -> str:
-            made = sum(m["role"] == "tool" for m in messages)
-            return edit if made == 0 else run if made == 1 else "done"
+            made = sum(m["role"] == "assistant" for m in messages)
+            return turns[made] if made < len(turns) else "done"
 
         return policy
 
-    @property
-    def oracle_success(self) -> float:
-        return 1.0
-
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
-        """Format-only turns: look at a random file, run the tests, answer done."""
-        hermes = get_format("hermes")
-        library = LIBRARIES[rng.choice(self.libraries)]
-        path = f"{library.package}/{rng.choice(['__init__', 'core', 'utils'])}.py"
+        """The format with random content (replayed, the random policy): read a random
+        module of the task's library, run one of its test files, answer done."""
+        checkout = self._checkouts[LIBRARIES_BY_KEY[task.metadata["library"]]]
+        module = rng.choice(checkout.modules())
+        tests = sorted(
+            str(p.relative_to(checkout.tree))
+            for p in (checkout.tree / checkout.library.tests).rglob("test_*.py")
+        )
         return [
-            hermes.render_call(ToolCall("read_file", {"path": path, "start": rng.randint(1, 50)})),
-            hermes.render_call(ToolCall("run_tests", {"tests": ""})),
+            _call("read_file", path=module, start=rng.randint(1, 50)),
+            _call("run_tests", tests=rng.choice(tests)),
             "done",
         ]
 
     def corpus(self) -> list[str]:
-        return demonstration_corpus(self, 40)
+        """Prompts and demonstrations, and the libraries' own modules (code to tokenize)."""
+        sources = [(c.tree / m).read_text() for c in self._checkouts.values() for m in c.modules()]
+        return demonstration_corpus(self, 40) + sources
 
     @property
     def card(self) -> EnvCard:
@@ -183,9 +210,11 @@ class SWE:
             turn_limit=None,
             scaffold=f"hermes <tool_call> format; the prompt names the failing tests; "
             f"tests run in the sandbox ({isolation})",
-            evaluator="the library rebuilt from the sdist with only the package's modules from "
-            "the workspace (tests and config pristine); reward 1 when every test failing "
-            "because of the bug passes and every other passing test still passes",
+            evaluator="a fresh tree from the sdist with only the package's modules from the "
+            "workspace (tests, conftest files and config pristine; deleted modules stay "
+            "deleted); the whole suite in the sandbox, outcomes from the runner's report; "
+            "reward 1 when every test failing because of the bug passes and every other "
+            "passing test still passes",
             on_failure="a bad path, a missing or ambiguous edit and a test error are "
             "observations; an answer with tests still failing scores 0",
             chance=self.chance,
@@ -193,6 +222,10 @@ class SWE:
 
 
 LIBRARIES_BY_KEY = {lib.key: name for name, lib in LIBRARIES.items()}
+
+
+def _call(name: str, **arguments: object) -> str:
+    return get_format("hermes").render_call(ToolCall(name, arguments))
 
 
 def _unique_hunk(pristine: str, buggy: str, lineno: int) -> tuple[str, str]:
@@ -222,35 +255,48 @@ class SweEnv(ToolEnv):
 
 
 class Workspace:
-    """One episode's copy of a library in a sandbox slot, its tools and its verifier."""
+    """One episode's copy of a library in a sandbox slot, its tools and its verifier.
+
+    The work dir is the sandboxed code's as much as ours: anything in it may have been
+    replaced by a link or a huge file while tests ran. So host-side file access (the four
+    file tools, and reading the model's modules for grading) happens only while no
+    sandboxed process lives (one lock for every tool and the verifier; the slot's processes
+    are killed after each run), paths are resolved and must stay inside the workspace,
+    final components are opened without following links, and sizes are bounded.
+    """
 
     def __init__(self, spec: SWE) -> None:
         self.spec = spec
         self.slot: SandboxSlot | None = None
         self.bug: Mutant | None = None
+        self._lock = asyncio.Lock()
 
     @property
     def root(self) -> Path:
         assert self.slot is not None
         return self.slot.workdir / REPO
 
+    @property
+    def checkout(self) -> Checkout:
+        assert self.bug is not None
+        return self.spec._checkouts[LIBRARIES_BY_KEY[self.bug.library]]
+
     async def open(self, task: Task) -> ToolSet:
         """Copy the buggy library into a fresh slot; return the episode's tools."""
         self.bug = self.spec._bug(task)
-        checkout = self.spec._checkouts[LIBRARIES_BY_KEY[self.bug.library]]
         sandbox = self.spec._sandbox
         self.slot = await asyncio.to_thread(sandbox.acquire)
         try:
-            await asyncio.to_thread(self._prepare, checkout.tree, self.bug)
+            await asyncio.to_thread(self._prepare, self.checkout.tree, self.bug)
         except BaseException:
             await self.close()  # the tools are not returned, so nothing else would
             raise
         tools = [
             Tool.from_function(self.list_files),
-            Tool.from_function(self.read_file),
+            Tool.from_function(self.read_file, max_output_chars=READ_OUTPUT_CHARS),
             Tool.from_function(self.search),
             Tool.from_function(self.edit_file),
-            Tool.from_function(self.run_tests, timeout_s=self.spec.test_timeout_s + 10),
+            Tool.from_function(self.run_tests, timeout_s=self.spec.test_timeout_s + 30),
         ]
         return ToolSet(tools, on_close=[self.close])
 
@@ -258,16 +304,10 @@ class Workspace:
         shutil.copytree(tree, self.root)
         target = self.root / bug.path
         target.write_text(apply(target.read_text(), bug.mutation))
-        self._own(self.root)
-
-    def _own(self, top: Path) -> None:
-        """Hand the tree to the slot's uid so sandboxed tests can write their caches."""
-        assert self.slot is not None
-        if os.geteuid() != 0:
-            return
-        for path in [top, *top.rglob("*")]:
-            if not path.is_symlink():
-                os.chown(path, self.slot.uid, self.slot.gid)
+        if os.geteuid() == 0:  # the model's tests may write in their tree, as at home
+            assert self.slot is not None
+            for path in [self.root, *self.root.rglob("*")]:
+                os.chown(path, self.slot.uid, self.slot.gid, follow_symlinks=False)
 
     async def close(self) -> None:
         if self.slot is not None:
@@ -286,21 +326,36 @@ class Workspace:
             raise ValueError(f"{path!r} is outside the workspace")
         return full
 
+    def _file(self, path: str) -> tuple[Path, str]:
+        """A file of the workspace and its text (bounded; never through a link)."""
+        where = self._path(path)
+        if not where.is_file():
+            raise ValueError(
+                f"{path!r} is not a file" + ("" if where.exists() else " (no such file)")
+            )
+        data = _read_plain_file(where, MAX_FILE_BYTES)
+        if data is None:
+            raise ValueError(
+                f"{path!r} is larger than {MAX_FILE_BYTES // 1000} kB or not a plain file"
+            )
+        return where, data.decode(errors="replace")
+
     async def list_files(self, path: str = ".") -> str:
         """List a directory of the library.
 
         Args:
             path: A directory, relative to the library's root.
         """
-        where = self._path(path)
-        if not where.is_dir():
-            raise ValueError(f"{path!r} is not a directory")
-        entries = sorted(
-            f"{p.name}/" if p.is_dir() else p.name
-            for p in where.iterdir()
-            if p.name != "__pycache__"
-        )
-        return "\n".join(entries) or "(empty)"
+        async with self._lock:
+            where = self._path(path)
+            if not where.is_dir():
+                raise ValueError(f"{path!r} is not a directory")
+            entries = sorted(
+                f"{p.name}/" if p.is_dir() else p.name
+                for p in where.iterdir()
+                if p.name != "__pycache__"
+            )
+            return "\n".join(entries[:MAX_ENTRIES]) or "(empty)"
 
     async def read_file(self, path: str, start: int = 1, end: int = 0) -> str:
         """Read lines of a file, numbered.
@@ -308,18 +363,24 @@ class Workspace:
         Args:
             path: A file, relative to the library's root.
             start: The first line to show (1-based).
-            end: The last line to show (0: up to 200 lines from start).
+            end: The last line to show (0: up to 120 lines from start).
         """
-        where = self._path(path)
-        if not where.is_file():
-            raise ValueError(f"{path!r} is not a file")
-        lines = where.read_text(errors="replace").splitlines()
+        async with self._lock:
+            _, text = self._file(path)
+        lines = text.splitlines()
         start = max(1, start)
-        stop = min(len(lines), end if end > 0 else start + MAX_LINES - 1, start + MAX_LINES - 1)
+        if end and end < start:
+            raise ValueError(f"end ({end}) is before start ({start})")
         if start > len(lines):
             return f"{path} has {len(lines)} lines"
+        stop = min(len(lines), end if end > 0 else start + MAX_LINES - 1, start + MAX_LINES - 1)
         shown = [f"{n:5d}  {lines[n - 1]}" for n in range(start, stop + 1)]
-        return "\n".join(shown) + (f"\n... ({len(lines)} lines)" if stop < len(lines) else "")
+        more = (
+            f"\n... ({len(lines)} lines; read on with start={stop + 1})"
+            if stop < len(lines)
+            else ""
+        )
+        return "\n".join(shown) + more
 
     async def search(self, text: str, path: str = ".") -> str:
         """Find lines containing a text in the library's Python files.
@@ -330,18 +391,20 @@ class Workspace:
         """
         if not text:
             raise ValueError("give a non-empty text to search for")
-        where = self._path(path)
-        files = [where] if where.is_file() else sorted(where.rglob("*.py"))
-        root = self.root.resolve()
-        hits: list[str] = []
-        for f in files:
-            if f.is_symlink() or root not in f.resolve().parents:
-                continue
-            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-                if text in line:
-                    hits.append(f"{f.relative_to(root)}:{n}: {line.strip()}")
-                    if len(hits) >= MAX_HITS:
-                        return "\n".join(hits) + f"\n... (first {MAX_HITS} matches)"
+        async with self._lock:
+            where = self._path(path)
+            root = self.root.resolve()
+            files = [where] if where.is_file() else _python_files(where)
+            hits: list[str] = []
+            for f in files:
+                data = _read_plain_file(f, MAX_FILE_BYTES)
+                if data is None:
+                    continue
+                for n, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+                    if text in line:
+                        hits.append(f"{f.relative_to(root)}:{n}: {line.strip()[:200]}")
+                        if len(hits) >= MAX_HITS:
+                            return "\n".join(hits) + f"\n... (first {MAX_HITS} matches)"
         return "\n".join(hits) or f"no line contains {text!r}"
 
     async def edit_file(self, path: str, old: str, new: str) -> str:
@@ -352,98 +415,165 @@ class Workspace:
             old: The exact text to replace; it must occur exactly once in the file.
             new: The text to put in its place.
         """
-        where = self._path(path)
-        if not where.is_file():
-            raise ValueError(f"{path!r} is not a file")
-        content = where.read_text()
-        count = content.count(old) if old else 0
-        if count != 1:
-            raise ValueError(
-                f"the text to replace occurs {count} times in {path}; give a longer, "
-                "unique piece of the file"
-            )
-        where.write_text(content.replace(old, new, 1))
+        if not old:
+            raise ValueError("old is empty: give the exact text to replace")
+        async with self._lock:
+            where, content = self._file(path)
+            count = content.count(old)
+            if count != 1:
+                hint = (
+                    "copy it exactly from read_file, without the line numbers"
+                    if count == 0
+                    else "give a longer piece of the file that occurs once"
+                )
+                raise ValueError(f"the text to replace occurs {count} times in {path}; {hint}")
+            fd = os.open(where, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+            with os.fdopen(fd, "w") as f:
+                f.write(content.replace(old, new, 1))
         return f"edited {path}"
 
     async def run_tests(self, tests: str = "") -> str:
         """Run the library's tests with pytest, in the sandbox.
 
         Args:
-            tests: Test files or ids separated by spaces (empty: the whole suite).
+            tests: Test files or test ids separated by spaces, e.g.
+                tests/test_x.py::test_y (quoted if an id holds spaces; empty: the whole
+                suite).
         """
-        assert self.bug is not None
-        library = self.spec._checkouts[LIBRARIES_BY_KEY[self.bug.library]].library
-        paths = tests.split() or [library.tests]
-        for p in paths:
-            self._path(p.split("::")[0])
-        outcomes, text = await self._pytest(REPO, paths, library.import_root)
-        failed = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
-        passed = sum(o == "PASSED" for o in outcomes.values())
-        summary = f"{passed} passed, {len(failed)} failed"
-        if not outcomes:
-            return f"no test ran:\n{text[-1500:]}"
-        if not failed:
-            return summary
-        details = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        return summary + "\n" + "\n".join(details[:15])
-
-    async def _pytest(
-        self, where: str, paths: list[str], import_root: str
-    ) -> tuple[dict[str, str], str]:
-        """Run pytest in ``where`` (under the slot's work dir) inside the sandbox, the
-        package importable from ``import_root`` (relative to ``where``)."""
-        assert self.slot is not None
-        sandbox = self.spec._sandbox
-        inner = os.path.join(sandbox.code_workdir(self.slot), where)
-        script = (  # the test environment, then pytest in a fresh interpreter
-            "import json, os, sys; os.chdir(sys.argv[1]); env = dict(os.environ, "
-            "**json.loads(sys.argv[3]), PYTHONPATH=os.path.abspath(sys.argv[2])); "
-            "os.execve(sys.executable, [sys.executable, *sys.argv[4:]], env)"
-        )
-        argv = [TEST_PYTHON, "-c", script, inner, import_root, json.dumps(TEST_ENV),
-                *pytest_argv(paths)]  # fmt: skip
-        process = await asyncio.create_subprocess_exec(
-            *sandbox.command(self.slot, argv), **sandbox.popen_kwargs(self.slot),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+        library = self.checkout.library
         try:
-            out, _ = await asyncio.wait_for(process.communicate(), self.spec.test_timeout_s)
-        except TimeoutError:
-            await asyncio.to_thread(sandbox.kill_all, self.slot)
-            process.kill()
-            await process.wait()
-            return {}, f"the tests ran past {self.spec.test_timeout_s:.0f} s and were stopped"
-        text = out.decode(errors="replace")
-        return parse_outcomes(text), text
+            paths = shlex.split(tests) or [library.tests]
+        except ValueError as exc:
+            raise ValueError(f"cannot split the test ids ({exc}); quote ids with spaces") from exc
+        for p in paths:
+            if p.startswith("-"):
+                raise ValueError(f"give test files or ids, not pytest options ({p!r})")
+            self._path(p.split("::")[0])
+        async with self._lock:
+            run = await self._run(REPO, paths)
+        return _summary(run, self.spec.test_timeout_s)
+
+    async def _run(self, where: str, paths: list[str]) -> TestRun:
+        """Run ``paths`` of the tree at ``where`` (under the slot's work dir) with the
+        runner, inside the sandbox; then kill whatever the run left behind."""
+        assert self.slot is not None
+        slot, sandbox, library = self.slot, self.spec._sandbox, self.checkout.library
+        inner = sandbox.code_workdir(slot)
+        report = f".report-{secrets.token_hex(8)}.json"  # unguessable: made by the runner
+        argv = runner_argv(
+            os.path.join(inner, where), library.import_root, package_name(library.package),
+            os.path.join(inner, report), paths,
+        )  # fmt: skip
+        with tempfile.TemporaryFile() as log:  # a file: its size is capped by RLIMIT_FSIZE
+            process = await asyncio.create_subprocess_exec(
+                *sandbox.command(slot, argv), **sandbox.popen_kwargs(slot),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+            )  # fmt: skip
+            try:
+                returncode = await asyncio.wait_for(process.wait(), self.spec.test_timeout_s)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+                returncode = -1
+            finally:
+                await asyncio.to_thread(sandbox.kill_all, slot)
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(0, size - MAX_LOG_BYTES))
+            output = log.read().decode(errors="replace")
+        run = read_report(slot.workdir / report, returncode, output)
+        return TestRun({}, -1, run.tail) if returncode == -1 else run
 
     # ------------------------------------------------------------------ grading
 
     async def verify(self, task: Task, answer: str) -> Verdict:
         """The pristine library with the workspace's package modules; the whole suite."""
         assert self.bug is not None
-        assert self.slot is not None
-        checkout = self.spec._checkouts[LIBRARIES_BY_KEY[self.bug.library]]
-        graded = self.slot.workdir / "graded"
-        await asyncio.to_thread(self._assemble, checkout, graded)
-        library = checkout.library
-        outcomes, _ = await self._pytest("graded", [library.tests], library.import_root)
-        baseline = checkout.baseline().passed()
+        checkout = self.checkout
+        async with self._lock:
+            graded = await asyncio.to_thread(self._assemble, checkout)
+            run = await self._run(graded, [checkout.library.tests])
         fail_to_pass = set(self.bug.fail_to_pass)
-        pass_to_pass = baseline - fail_to_pass
-        fixed = sum(outcomes.get(t) == "PASSED" for t in fail_to_pass) / len(fail_to_pass)
-        kept = sum(outcomes.get(t) == "PASSED" for t in pass_to_pass) / max(1, len(pass_to_pass))
+        pass_to_pass = checkout.baseline().passed() - fail_to_pass
+        passed = run.passed()
+        fixed = len(fail_to_pass & passed) / len(fail_to_pass)
+        kept = len(pass_to_pass & passed) / max(1, len(pass_to_pass))
         success = fixed == 1.0 and kept == 1.0
         return Verdict(
             reward=1.0 if success else 0.0, success=success,
             components={"fail_to_pass": fixed, "pass_to_pass": kept},
         )  # fmt: skip
 
-    def _assemble(self, checkout: Checkout, graded: Path) -> None:
-        shutil.rmtree(graded, ignore_errors=True)
-        shutil.copytree(checkout.tree, graded)
+    def _assemble(self, checkout: Checkout) -> str:
+        """A fresh tree to grade (its path under the work dir): the pristine sdist with the
+        package's modules replaced by the workspace's, tests and conftest files excluded.
+
+        A module missing from the workspace (deleted, or replaced by a link or a directory)
+        is missing here too: deleting the buggy file must not bring the pristine one back.
+        The tree belongs to root and is only readable by the sandbox's uid, so code under
+        test cannot rewrite the tests before pytest collects them.
+        """
+        assert self.slot is not None
+        graded = Path(tempfile.mkdtemp(prefix="graded-", dir=self.slot.workdir))
+        tree = graded / "tree"
+        shutil.copytree(checkout.tree, tree)
+        package = checkout.library.package
+        for path in _python_files(tree / package):
+            if is_module(str(path.relative_to(tree))):
+                path.unlink()
+        mine = self.root / package
         root = self.root.resolve()
-        for module in checkout.modules():
-            mine = self.root / module
-            if mine.is_file() and not mine.is_symlink() and root in mine.resolve().parents:
-                shutil.copyfile(mine, graded / module)
-        self._own(graded)
+        found = _python_files(mine) if mine.is_dir() and not mine.is_symlink() else []
+        modules = [p for p in found if is_module(str(p.relative_to(self.root)))]
+        for path in modules[:MAX_MODULES]:
+            inside = root in path.resolve().parents
+            data = _read_plain_file(path, MAX_FILE_BYTES) if inside else None
+            if data is None:
+                continue  # a link, a special file, a huge one: not a module
+            target = tree / path.relative_to(self.root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        os.chmod(graded, 0o755)
+        return f"{graded.name}/tree"
+
+
+def _summary(run: TestRun, timeout_s: float) -> str:
+    """What ``run_tests`` shows: counts, then each failure with its one-line message; the
+    output's tail when nothing ran."""
+    if run.returncode == -1:
+        return f"the tests ran past {timeout_s:g} s and were stopped\n{run.tail[-1000:]}"
+    if not run.outcomes:
+        return f"no test ran (exit status {run.returncode}):\n{run.tail[-1500:]}"
+    counts = Counter(run.outcomes.values())
+    failed = run.failed()
+    summary = f"{counts['PASSED']} passed, {len(failed)} failed" + "".join(
+        f", {counts[label]} {word}"
+        for label, word in (("SKIPPED", "skipped"), ("XFAIL", "xfailed"), ("XPASS", "xpassed"))
+        if counts[label]
+    )
+    lines = [f"{t} - {run.messages.get(t, '')}".rstrip(" -") for t in failed[:MAX_FAILURES]]
+    if len(failed) > MAX_FAILURES:
+        lines.append(f"... and {len(failed) - MAX_FAILURES} more")
+    return "\n".join([summary, *lines])
+
+
+def _python_files(top: Path) -> list[Path]:
+    """The ``.py`` files under ``top``, sorted, without entering linked directories."""
+    found = []
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found += [Path(folder) / f for f in files if f.endswith(".py")]
+    return sorted(found)
+
+
+def _read_plain_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of a regular file, not through a link; None if it is not one or is
+    larger than ``limit``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        return f.read(limit + 1)[:limit]

@@ -16,31 +16,33 @@ mutated by us, never the model's. The model's edits run only in the sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
 import tarfile
-from dataclasses import asdict, dataclass, field
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from turnrl.envs.swe.mutate import Mutation, apply, candidates
+from turnrl.envs.swe.runner import TEST_PYTHON, TestRun, package_name, run_tests_on_host
 from turnrl.errors import ConfigError
 
-TEST_PYTHON = "/usr/bin/python3"
-"""The interpreter tests run under, here and in the sandbox (world-readable, has pytest)."""
-
-TEST_ENV = {"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-"""Test runs' environment, here and in the sandbox. A fixed hash seed keeps test ids
-stable: some suites build parameter ids from set order (isodate's ``expectedN``)."""
-CACHE_FORMAT = 2
-"""Bumped when cached baselines or mutants would no longer match (v2: fixed hash seed)."""
-
-_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)", re.MULTILINE)
+CACHE_FORMAT = 4
+"""Bumped when cached baselines or mutants would no longer match (v2: fixed hash seed; v3:
+outcomes from the runner's report, with failure messages; v4: negated conditions)."""
+POOL_SEED = 0
+"""Seed of the order in which mutations are tried. Fixed, so every ``SWE(seed=...)`` draws
+its tasks from the same cached bugs (a new seed must not cost a new validation)."""
+MAX_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -74,47 +76,31 @@ class Mutant:
     """Tests that pass on the pristine library and fail with the bug."""
 
 
-@dataclass
-class TestRun:
-    """Per-test outcomes of one pytest run, its exit status and its output's tail."""
-
-    outcomes: dict[str, str] = field(default_factory=dict)
-    returncode: int = 0
-    tail: str = ""
-
-    def passed(self) -> set[str]:
-        return {t for t, o in self.outcomes.items() if o in ("PASSED", "XFAIL")}
+def is_module(path: str) -> bool:
+    """Whether a path inside the tree is library code, not test code: a ``.py`` file
+    outside any ``tests``/``test`` directory, not ``test*.py`` nor ``conftest.py``. Only
+    such files of the model's workspace are graded (a conftest.py there could rewrite
+    every outcome)."""
+    parts = Path(path).parts
+    name = parts[-1] if parts else ""
+    return (
+        name.endswith(".py")
+        and not name.startswith("test")
+        and name != "conftest.py"
+        and not {"tests", "test"} & set(parts[:-1])
+    )
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("TURNRL_CACHE", Path.home() / ".cache" / "turnrl")) / "swe"
 
 
-def parse_outcomes(text: str) -> dict[str, str]:
-    """``-rA`` summary lines -> {test id: PASSED | FAILED | ERROR | XFAIL | XPASS}."""
-    return {m.group(2): m.group(1) for m in _OUTCOME.finditer(text)}
-
-
-def pytest_argv(paths: list[str]) -> list[str]:
-    """The pytest command line (after the interpreter) used everywhere: quiet, a summary
-    line per test, no cache files, no plugins from the environment."""
-    return ["-m", "pytest", "-q", "-rA", "--tb=line", "-p", "no:cacheprovider", *paths]
-
-
-def run_pytest(
-    root: Path, paths: list[str], timeout_s: float = 120.0, import_root: str = "."
-) -> TestRun:
-    """Run the library's tests in ``root`` as a plain subprocess (trusted code only)."""
-    env = {**TEST_ENV, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(root / import_root)}
-    try:
-        done = subprocess.run(
-            [TEST_PYTHON, *pytest_argv(paths)], cwd=root, env=env, capture_output=True,
-            text=True, timeout=timeout_s,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return TestRun({}, -1, "timed out")
-    text = done.stdout + done.stderr
-    return TestRun(parse_outcomes(text), done.returncode, text[-2000:])
+def run_pytest(library: Library, root: Path, paths: list[str], timeout_s: float = 120.0) -> TestRun:
+    """Run tests of ``library``'s tree at ``root`` on the host (trusted code only: the
+    pristine library or one with a bug we made)."""
+    return run_tests_on_host(
+        root, library.import_root, package_name(library.package), paths, timeout_s
+    )
 
 
 def check_test_python() -> None:
@@ -136,27 +122,38 @@ class Checkout:
         self.tree = self.dir / "src"
 
     def fetch(self) -> Path:
-        """Download and unpack the sdist once; return the pristine tree."""
+        """Download and unpack the sdist once; return the pristine tree. Safe to run in
+        several processes at once: each works in its own staging dir, the first to finish
+        renames its tree into place and the others drop theirs."""
         if (self.tree / self.library.package).is_dir():
             return self.tree
         self.dir.mkdir(parents=True, exist_ok=True)
         spec = f"{self.library.name}=={self.library.version}"
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-             "--quiet", "-d", str(self.dir), spec],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        archives = sorted(self.dir.glob("*.tar.gz"))
-        if done.returncode != 0 or not archives:
-            raise ConfigError(f"cannot fetch the sdist of {spec}: {done.stderr.strip()[-500:]}")
-        staging = self.dir / "staging"
-        shutil.rmtree(staging, ignore_errors=True)
-        with tarfile.open(archives[0]) as tar:
-            tar.extractall(staging, filter="data")
-        (top,) = [p for p in staging.iterdir() if p.is_dir()]
-        shutil.rmtree(self.tree, ignore_errors=True)
-        top.rename(self.tree)
-        shutil.rmtree(staging)
+        staging = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.dir))
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                 "--quiet", "-d", str(staging / "sdist"), spec],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            archives = sorted((staging / "sdist").glob("*.tar.gz"))
+            if done.returncode != 0 or not archives:
+                raise ConfigError(
+                    f"cannot fetch the sdist of {spec} for the swe environment (pip download "
+                    f"--no-binary :all:, exit status {done.returncode}): it needs a package "
+                    f"index that serves sdists, or {self.dir} filled on another machine "
+                    f"(python -m turnrl.envs.swe; TURNRL_CACHE moves the cache). pip said: "
+                    f"{done.stderr.strip()[-500:]}"
+                )
+            with tarfile.open(archives[0]) as tar:
+                tar.extractall(staging / "unpacked", filter="data")
+            (top,) = [p for p in (staging / "unpacked").iterdir() if p.is_dir()]
+            if not (top / self.library.package).is_dir():
+                raise ConfigError(f"{spec}'s sdist has no {self.library.package}/")
+            with contextlib.suppress(OSError):  # another process was first: keep its tree
+                top.rename(self.tree)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         return self.tree
 
     def modules(self) -> list[str]:
@@ -165,25 +162,40 @@ class Checkout:
             return list(self.library.modules)
         package = self.tree / self.library.package
         return sorted(
-            str(p.relative_to(self.tree))
-            for p in package.rglob("*.py")
-            if "tests" not in p.relative_to(self.tree).parts and not p.name.startswith("test")
+            rel for p in package.rglob("*.py") if is_module(rel := str(p.relative_to(self.tree)))
         )
 
     def baseline(self) -> TestRun:
-        """The pristine suite's outcomes (cached)."""
+        """The pristine suite's outcomes (run once, cached)."""
+        return self._baseline()[0]
+
+    def _baseline(self) -> tuple[TestRun, float]:
+        """The pristine outcomes and how long the suite took (the bugs' timeout scales
+        with it)."""
         path = self.dir / "baseline.json"
         if path.is_file():
-            return TestRun(**json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            return TestRun(**data["run"]), float(data["seconds"])
         check_test_python()
-        run = run_pytest(self.fetch(), [self.library.tests], import_root=self.library.import_root)
+        tree = self.fetch()
+        start = time.perf_counter()
+        run = run_pytest(self.library, tree, [self.library.tests])
+        seconds = time.perf_counter() - start
         if not run.passed():
-            raise ConfigError(f"{self.library.key}: no test passes on the pristine library")
-        path.write_text(json.dumps(asdict(run)))
-        return run
+            raise ConfigError(
+                f"{self.library.key}: no test passes on the pristine library "
+                f"(exit status {run.returncode}): {run.tail[-500:]}"
+            )
+        _write_json(path, {"run": asdict(run), "seconds": seconds})
+        return run, seconds
 
-    def mutants(self, limit: int, seed: int = 0) -> list[Mutant]:
-        """Up to ``limit`` validated bugs, tried in a seeded order (cached and extended)."""
+    def mutants(self, limit: int, seed: int = POOL_SEED) -> list[Mutant]:
+        """Up to ``limit`` validated bugs, tried in a seeded order (cached and extended).
+
+        Candidates are tried in batches, one test run per core; the kept list is the one a
+        one-by-one pass would keep (a batch's results are taken in pool order and the pass
+        stops at the ``limit``-th bug), so the cache does not depend on the core count.
+        """
         path = self.dir / f"mutants-seed{seed}.json"
         state: dict[str, Any] = (
             json.loads(path.read_text()) if path.is_file() else {"tried": 0, "kept": []}
@@ -192,34 +204,58 @@ class Checkout:
         if len(kept) >= limit:
             return kept[:limit]
         tree = self.fetch()
-        passing = self.baseline().passed()
+        baseline, seconds = self._baseline()
+        passing = baseline.passed()
+        timeout_s = max(20.0, 10.0 * seconds)  # a bug that loops for ever is dropped
         pool = [
             (module, m)
             for module in self.modules()
             for m in candidates((tree / module).read_text())
         ]
         random.Random(seed).shuffle(pool)
-        work = self.dir / "work"
-        for module, mutation in pool[state["tried"] :]:
-            if len(kept) >= limit:
-                break
-            state["tried"] += 1
-            shutil.rmtree(work, ignore_errors=True)
-            shutil.copytree(tree, work)
-            original = (tree / module).read_text()
-            (work / module).write_text(apply(original, mutation))
-            run = run_pytest(
-                work, [self.library.tests], timeout_s=60, import_root=self.library.import_root
-            )
-            broken = sorted(t for t in passing if run.outcomes.get(t) in ("FAILED", "ERROR"))
-            if run.returncode == -1 or not run.outcomes or not broken:
-                continue  # a hang, a crash at import, or a bug no test sees
-            kept.append(Mutant(self.library.key, module, mutation, tuple(broken)))
-            state["kept"] = [_mutant_to_json(m) for m in kept]
-            path.write_text(json.dumps(state))
-        shutil.rmtree(work, ignore_errors=True)
-        path.write_text(json.dumps({**state, "kept": [_mutant_to_json(m) for m in kept]}))
-        return kept
+        workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+        def broken(item: tuple[str, Mutation]) -> tuple[str, ...]:
+            module, mutation = item
+            with _scratch_copy(tree, self.dir) as work:
+                (work / module).write_text(apply((tree / module).read_text(), mutation))
+                run = run_pytest(self.library, work, [self.library.tests], timeout_s)
+            if run.returncode == -1:
+                return ()  # a hang
+            return tuple(sorted(t for t in passing if run.outcomes.get(t) in ("FAILED", "ERROR")))
+
+        with ThreadPoolExecutor(workers) as executor:
+            while len(kept) < limit and state["tried"] < len(pool):
+                batch = pool[state["tried"] : state["tried"] + workers]
+                for (module, mutation), failing in zip(
+                    batch, executor.map(broken, batch), strict=True
+                ):
+                    if len(kept) >= limit:
+                        break
+                    state["tried"] += 1
+                    if failing:  # else: a crash at import, or a bug no test sees
+                        kept.append(Mutant(self.library.key, module, mutation, failing))
+                state["kept"] = [_mutant_to_json(m) for m in kept]
+                _write_json(path, state)
+        return kept[:limit]
+
+
+@contextlib.contextmanager
+def _scratch_copy(tree: Path, where: Path) -> Iterator[Path]:
+    """A throw-away copy of ``tree`` under ``where``."""
+    work = Path(tempfile.mkdtemp(prefix="work-", dir=where)) / "tree"
+    try:
+        shutil.copytree(tree, work)
+        yield work
+    finally:
+        shutil.rmtree(work.parent, ignore_errors=True)
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Write ``path`` atomically: a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
 
 
 def _mutant_to_json(m: Mutant) -> dict[str, object]:

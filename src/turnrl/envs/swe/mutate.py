@@ -3,8 +3,8 @@
 ``candidates(source)`` lists every place in a module where one small, plausible edit
 changes behaviour: a comparison flipped or loosened (``<`` -> ``<=``, ``==`` -> ``!=``), an
 arithmetic operator swapped (``+`` -> ``-``, ``*`` -> ``//``), a boolean connective swapped
-(``and`` -> ``or``), an integer constant moved by one, a ``not`` dropped, a returned value
-replaced by ``None``. ``apply(source, mutation)`` rewrites only that node's text (the rest
+(``and`` -> ``or``), an integer constant moved by one, a ``not`` dropped, an ``if``/``while``
+condition negated, a returned value replaced by ``None``. ``apply(source, mutation)`` rewrites only that node's text (the rest
 of the file keeps its formatting), so the bug is one hunk a model can find, and the
 inverse edit restores the file exactly.
 
@@ -49,11 +49,17 @@ def candidates(source: str) -> list[Mutation]:
     """Every single-site mutation of ``source``, in source order."""
     tree = ast.parse(source)
     skip = _skipped_nodes(tree)
+    conditions = {
+        id(n.test) for n in ast.walk(tree) if isinstance(n, (ast.If, ast.While, ast.IfExp))
+    }
     out: list[Mutation] = []
     for node in ast.walk(tree):
         if id(node) in skip or not isinstance(node, (ast.expr, ast.stmt)):
             continue
-        for kind, replacement in _replacements(node):
+        replacements = _replacements(node)
+        if id(node) in conditions and isinstance(node, ast.expr) and not _is_not(node):
+            replacements.append(("condition", ast.UnaryOp(ast.Not(), node)))
+        for kind, replacement in replacements:
             before = ast.get_source_segment(source, node)
             if before is None:
                 continue
@@ -115,6 +121,10 @@ def _replacements(node: ast.AST) -> list[tuple[str, ast.AST]]:
     ):
         out.append(("return", ast.Return(ast.Constant(None))))
     return out
+
+
+def _is_not(node: ast.AST) -> bool:
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not)
 
 
 def _is_string_format(node: ast.BinOp) -> bool:
