@@ -190,6 +190,40 @@ def test_search_shaping_rewards_the_right_search_but_the_answer_dominates() -> N
         SearchQA(search_reward=0.8)
 
 
+def test_retrieval_shaping_pays_for_finding_the_article_not_for_searching() -> None:
+    spec = SearchQA(max_hops=1, relations=("born_in",), people=6, cities=4, countries=2,
+                    companies=2, world_per_task=True, top_k=1, max_searches=2,
+                    search_reward=0.3, search_shaping="retrieval")  # fmt: skip
+    task = spec.task(0)
+    entity, gold = task.metadata["chain"][0], str(task.answer)
+    surname = entity.split()[-1]
+    other = next(p for p in spec._world(*task.metadata["world"]).kinds if p not in (entity, gold))
+
+    def episode(turns: list[str]) -> tuple[float, dict[str, float]]:
+        result = asyncio.run(play(spec.make_env(), task, replay(turns), seed=0, max_steps=4))
+        return result.reward, result.results[-1].info.get("reward_components", {})
+
+    assert episode([f"<search>{entity}</search>", f"<answer>{gold}</answer>"])[0] == (
+        pytest.approx(1.3)
+    )
+    # one word of the name finds the article: the term is graded by what the search found
+    reward, parts = episode([f"<search>{surname}</search>", "<answer>nobody</answer>"])
+    assert reward == pytest.approx(0.3)
+    assert parts["retrieved"] == 1.0
+    assert episode([f"<search>{other}</search>", "<answer>nobody</answer>"])[0] == 0.0
+    assert episode(["<answer>nobody</answer>"])[0] == 0.0  # no search: nothing, not negative
+    assert episode([f"<answer>{gold}</answer>"])[0] == pytest.approx(1.0)
+    # searches past the budget were refused: they found nothing and earn nothing
+    reward, parts = episode([f"<search>{other}</search>", f"<search>{other}</search>",
+                             f"<search>{entity}</search>", "<answer>nobody</answer>"])  # fmt: skip
+    assert parts["retrieved"] == 0.0
+    assert reward == 0.0
+    assert spec.reward_range == (0.0, 1.3)
+    assert check_env(spec, num_tasks=20).ok
+    with pytest.raises(ConfigError, match="search_shaping"):
+        SearchQA(search_shaping="bm25")
+
+
 def test_bad_options_and_files_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="min_hops"):
         SearchQA(min_hops=2, max_hops=1)

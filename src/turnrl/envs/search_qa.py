@@ -164,9 +164,15 @@ class SearchQA:
     max_searches: int = 4
     """Search calls per episode."""
     search_reward: float = 0.0
-    """Weight of a shaping term (``CompositeReward``'s ToolRL tool-call match, in [-1, 1])
-    between the episode's searches and the gold ones (one per hop, the entity's name);
-    0: the reward is the exact match alone. The outcome weight is 1 and stays dominant."""
+    """Weight of a shaping term for the episode's searches (see ``search_shaping``); 0: the
+    reward is the exact match alone. The outcome weight is 1 and stays dominant."""
+    search_shaping: str = "toolrl"
+    """The shaping term ``search_reward`` weighs. ``toolrl``: ``CompositeReward``'s ToolRL
+    tool-call match in [-1, 1] between the searches and the gold ones (one per hop, the
+    entity's exact name; any search earns 1/3, so it mostly pays for searching at all).
+    ``retrieval``: the fraction of hops whose entity's article one of the searches brought
+    back, in [0, 1]: a graded signal (a query with one word of the name already finds the
+    article) for what a search is for. Paid only when the episode answers."""
     world_per_task: bool = False
     """A fresh world for every task (so no fact can be memorised across tasks: every
     answer must be searched); the default is one world for all tasks, like a corpus."""
@@ -202,6 +208,16 @@ class SearchQA:
             )
         if not 0.0 <= self.search_reward <= 0.5:
             raise ConfigError("search_qa.search_reward must be in [0, 0.5]: the answer dominates")
+        if self.search_shaping not in ("toolrl", "retrieval"):
+            raise ConfigError(
+                f"search_qa.search_shaping must be 'toolrl' or 'retrieval', "
+                f"got {self.search_shaping!r}"
+            )
+        if self.search_shaping == "retrieval" and self.qa_path is not None:
+            raise ConfigError(
+                "search_qa.search_shaping = 'retrieval' needs the generated world (a user's "
+                "QA file names no article per hop)"
+            )
         if self.max_searches < 1 or self.top_k < 1:
             raise ConfigError("search_qa: max_searches and top_k must be >= 1")
 
@@ -234,7 +250,8 @@ class SearchQA:
     @property
     def reward_range(self) -> tuple[float, float]:
         """[0, 1], widened by the search-shaping term when it is on."""
-        return (-self.search_reward, 1.0 + self.search_reward)
+        low = 0.0 if self.search_shaping == "retrieval" else -self.search_reward
+        return (low, 1.0 + self.search_reward)
 
     @property
     def chance(self) -> float:
@@ -305,11 +322,41 @@ class SearchQA:
             index = self._index_for(task)
             return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
 
+        if self.search_reward > 0 and self.search_shaping == "retrieval":
+            return self._retrieval_shaped_env()
         shaping = None
         if self.search_reward > 0:
             shaping = CompositeReward(format_weight=0.0, tool_weight=self.search_reward)
         return ToolEnv(tools, get_format(self.format), _verify, max_tool_calls=self.max_searches,
                        reward=shaping)  # fmt: skip
+
+    def _retrieval_shaped_env(self) -> ToolEnv:
+        """One episode's env whose verifier adds ``search_reward`` x the fraction of hops
+        whose article the episode's searches (those that ran) brought back."""
+
+        def tools(task: Task) -> ToolSet:
+            index = self._index_for(task)  # cached per world: the verifier searches the same
+            return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
+
+        def verify(task: Task, answer: str) -> Verdict:
+            verdict = _verify(task, answer)
+            queries = [c.arguments.get("query") for c in env.calls if c.name == "search"]
+            ran = [q for q in queries if isinstance(q, str)][: self.max_searches]
+            hops = list(task.metadata["chain"][:-1])
+            found = retrieved_fraction(self._index_for(task), ran, hops, self.top_k)
+            components = {**verdict.components, "outcome": verdict.reward, "retrieved": found}
+            return Verdict(verdict.reward + self.search_reward * found, verdict.success, components)
+
+        env = ToolEnv(tools, get_format(self.format), verify, max_tool_calls=self.max_searches)
+        return env
+
+    def _shaping_text(self) -> str:
+        if self.search_reward == 0:
+            return ""
+        if self.search_shaping == "retrieval":
+            return (f"; + {self.search_reward:g} x the fraction of hops whose article a search "
+                    "brought back")  # fmt: skip
+        return f"; + {self.search_reward:g} x ToolRL's match of the searches to the gold ones"
 
     def oracle(self, task: Task) -> Policy:
         """Searches each hop's entity by name, in order, then answers with the gold answer
@@ -371,11 +418,23 @@ class SearchQA:
             scaffold=f"{self.format} format; the prompt asks for the answer in the format's "
             "final-answer syntax; each search's results come back as an observation",
             evaluator="reward = exact match after SQuAD normalisation (lower case, no "
-            "punctuation or articles) with any accepted answer; token F1 logged",
+            "punctuation or articles) with any accepted answer; token F1 logged"
+            + self._shaping_text(),
             on_failure="a malformed turn or a search past the budget is an error observation "
             "and the episode goes on; a wrong answer ends it with 0",
             chance=self.chance,
         )
+
+
+def retrieved_fraction(
+    index: SearchIndex, queries: Sequence[str], entities: Sequence[str], k: int
+) -> float:  # fmt: skip
+    """The fraction of ``entities`` whose article (document id = the entity's name) is among
+    the top ``k`` hits of at least one of ``queries``; 0 with no entities."""
+    if not entities:
+        return 0.0
+    shown = {hit.document.id for hits in index.search_batch(list(queries), k) for hit in hits}
+    return sum(e in shown for e in entities) / len(entities)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,118 @@
+"""The tiny model learns task families with RL: each recipe trains from its own warm-up
+(format only: the warm-up replays the environment's random policy) for the same
+wall-clock budget, and the held-out success curve says how far above its start it got.
+
+    python benchmarks/env_learning.py          # search_qa, frozen_lake, 3x3 frozen_lake, bandit
+    python benchmarks/env_learning.py --runs bandit --minutes 5 --jobs 1
+    python benchmarks/env_learning.py --runs frozen_lake,env.size=5,env.max_moves=12 ...
+
+A run is ``RECIPE[,KEY=VALUE...]``: the recipe as shipped (recipes/RECIPE.toml) with those
+overrides, which the results record. Writes benchmarks/results/env_learning.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training_runs import curve_lines, eval_curve, run_side_by_side, threads_per_job, write_results
+from turnrl.envs import make_env_spec
+from turnrl.trainer.config import load_config
+from turnrl.trainer.loop import train
+
+ROOT = Path(__file__).resolve().parent
+RUNS = [
+    "search_qa",
+    "frozen_lake",
+    "frozen_lake,env.size=3,env.max_moves=6,env.max_turns=6,rollout.max_turns=6",
+    "bandit",
+]
+
+
+def run_recipe(number: int, run: str, minutes: float, runs: Path, threads: int) -> dict[str, Any]:
+    name, *overrides = run.split(",")
+    config = load_config(name, [*overrides, f"max_minutes={minutes}", f"threads={threads}"])
+    run_dir = runs / f"env-{number}-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    result = train(config, run_dir, progress=False)
+    wall = time.perf_counter() - t0
+    curve = eval_curve(result.rows)
+    tail = [v for _, _, v in curve[-5:]]
+    spec = make_env_spec(config.env.name, **config.env.options)
+    return {
+        "run": run,
+        "recipe": name,
+        "overrides": overrides,
+        "env": config.env.name,
+        "chance": getattr(spec, "chance", None),
+        "start_success": curve[0][2],
+        "final_success": curve[-1][2],
+        "last5_mean": sum(tail) / len(tail),
+        "best_success": max(v for _, _, v in curve),
+        "steps": curve[-1][0],
+        "wall_minutes": round(wall / 60, 2),
+        "alarms": [a.name for a in result.alarms],
+        "curve": curve,
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| recipe | overrides | chance | start | final | mean of last 5 evals | best | steps "
+        "| wall min |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        chance = "-" if r["chance"] is None else f"{r['chance']:.3f}"
+        lines.append(
+            f"| {r['recipe']} | {' '.join(r['overrides']) or '-'} | {chance} | "
+            f"{r['start_success']:.2f} | {r['final_success']:.2f} | {r['last5_mean']:.2f} | "
+            f"{r['best_success']:.2f} | {r['steps']} | {r['wall_minutes']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=RUNS, metavar="RECIPE[,KEY=VALUE...]")
+    parser.add_argument("--minutes", type=float, default=15.0, help="RL budget per recipe")
+    parser.add_argument("--jobs", type=int, default=2, help="recipes trained side by side")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "env_learning")
+    args = parser.parse_args()
+    for run in args.runs:  # fail before any training on a bad recipe or override
+        name, *overrides = run.split(",")
+        load_config(name, overrides)
+    threads = threads_per_job(args.jobs)
+    runs = ROOT / "runs"
+    results = run_side_by_side(
+        run_recipe,
+        [(n, run, args.minutes, runs, threads) for n, run in enumerate(args.runs)],
+        args.jobs,
+        lambda r: print(table([r]), flush=True),
+    )
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
+        f"{args.jobs} recipes at a time with {threads or 'default'} torch thread(s) each",
+        "torch": torch.__version__,
+        "budget_minutes": args.minutes,
+    }
+    md = [f"# The tiny model learns task families ({meta['date']}, {meta['machine']})", ""]
+    md += [f"Budget: {args.minutes} minutes of RL per recipe after its warm-up (format only: "
+           "the random policy replayed); held-out success on the recipe's eval tasks.",
+           ""]  # fmt: skip
+    md += [table(results), "", *curve_lines(results, "run")]
+    write_results(args.out, meta, results, md)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
