@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -222,6 +223,29 @@ def test_retrieval_shaping_pays_for_finding_the_article_not_for_searching() -> N
     assert check_env(spec, num_tasks=20).ok
     with pytest.raises(ConfigError, match="search_shaping"):
         SearchQA(search_shaping="bm25")
+
+
+def test_demonstrations_copy_random_content_from_the_context() -> None:
+    """The warm-up's random policy searches a word of the question and answers a name that
+    search brought back: never the gold by construction, never a name the model cannot see."""
+    spec = SearchQA(max_hops=1, relations=("born_in",), people=6, cities=4, countries=2,
+                    companies=2, world_per_task=True, top_k=1)  # fmt: skip
+    right = 0
+    queries = set()
+    for i in range(200):
+        task = spec.task(i)
+        search, answer = spec.demonstration(task, random.Random(i))
+        query = search.removeprefix("<search>").removesuffix("</search>")
+        name = answer.removeprefix("<answer>").removesuffix("</answer>")
+        assert (
+            query in task.metadata["question"].split() or f"{query}?" in task.metadata["question"]
+        )
+        hits = spec._index_for(task).search(query, 1)
+        assert name in " ".join(h.document.text for h in hits) or name in task.metadata["question"]
+        queries.add(query)
+        right += name == task.answer
+    assert len(queries) > 10  # the question's words, names included, at random
+    assert 0 < right / 200 < 0.25  # the random policy sometimes succeeds, rarely
 
 
 def test_bad_options_and_files_are_clear_errors(tmp_path: Path) -> None:

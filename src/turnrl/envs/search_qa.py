@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from turnrl.protocols import Format
 from turnrl.rewards import Verdict, qa_verdict
 from turnrl.rewards.composite import CompositeReward
 from turnrl.tools import SearchIndex, ToolSet
+from turnrl.tools.search import render_hit
 from turnrl.types import Message, Task, ToolCall
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br",
@@ -379,13 +381,25 @@ class SearchQA:
         return policy
 
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
-        """The format with random content: a search for a random entity, then a random
-        entity's name as the answer (replayed, the random policy)."""
+        """The format with random content that the context shows: a search for one random
+        word of the question, then as the answer a random name (an entity of the world; a
+        word, for a user's corpus) from what that search brings back (replayed, the random
+        policy). Drawn from what the model can see, so a warm-up on these teaches copying
+        from the context, never which word to copy; answers from outside the context would
+        teach a model to make names up."""
         fmt = get_format(self.format)
-        world = self._world(*task.metadata["world"]) if "world" in task.metadata else None
-        names = sorted(world.kinds) if world is not None else ["unknown"]
-        search = fmt.render_call(ToolCall("search", {"query": rng.choice(names)}))
-        return [search, _answer(fmt, rng.choice(names))]
+        words = _words(str(task.metadata.get("question", task.prompt[-1]["content"])))
+        query = rng.choice(words) if words else "unknown"
+        hits = self._index_for(task).search(query, self.top_k)
+        shown = " ".join(render_hit(h, self.snippet_chars) for h in hits)
+        if self.qa_path is None:
+            world = self._world(*task.metadata["world"]) if "world" in task.metadata else self.world
+            names = [name for name in sorted(world.kinds) if name in shown]
+        else:
+            names = _words(shown)
+        answer = rng.choice(names) if names else rng.choice(words or ["unknown"])
+        search = fmt.render_call(ToolCall("search", {"query": query}))
+        return [search, _answer(fmt, answer)]
 
     def corpus(self) -> list[str]:
         """Articles, questions, calls and answers, for a tiny tokenizer."""
@@ -440,6 +454,11 @@ def retrieved_fraction(
 @functools.lru_cache(maxsize=256)
 def _world_index(world: World) -> SearchIndex:
     return SearchIndex(world.articles)
+
+
+def _words(text: str) -> list[str]:
+    """The words of ``text``, without punctuation."""
+    return re.findall(r"[^\W_]+(?:['-][^\W_]+)*", text)
 
 
 def _prompt(question: str) -> str:
