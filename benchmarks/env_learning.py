@@ -7,12 +7,15 @@ wall-clock budget, and the held-out success curve says how far above its start i
     python benchmarks/env_learning.py --runs frozen_lake,env.size=5,env.max_moves=12 ...
 
 A run is ``RECIPE[,KEY=VALUE...]``: the recipe as shipped (recipes/RECIPE.toml) with those
-overrides, which the results record. Writes benchmarks/results/env_learning.json and .md.
+overrides, which the results record. Writes benchmarks/results/env_learning.json and .md;
+runs already there that this invocation did not make are kept (each records its own date
+and machine), so one recipe can be re-run alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import platform
 import shutil
@@ -36,7 +39,9 @@ RUNS = [
 ]
 
 
-def run_recipe(number: int, run: str, minutes: float, runs: Path, threads: int) -> dict[str, Any]:
+def run_recipe(
+    number: int, run: str, minutes: float, runs: Path, threads: int, machine: str
+) -> dict[str, Any]:
     name, *overrides = run.split(",")
     config = load_config(name, [*overrides, f"max_minutes={minutes}", f"threads={threads}"])
     run_dir = runs / f"env-{number}-{name}"
@@ -50,6 +55,9 @@ def run_recipe(number: int, run: str, minutes: float, runs: Path, threads: int) 
     return {
         "run": run,
         "recipe": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine,
+        "budget_minutes": minutes,
         "overrides": overrides,
         "env": config.env.name,
         "chance": getattr(spec, "chance", None),
@@ -91,27 +99,33 @@ def main() -> None:
         name, *overrides = run.split(",")
         load_config(name, overrides)
     threads = threads_per_job(args.jobs)
+    machine = (f"{platform.machine()}, {multiprocessing.cpu_count()} cores, {args.jobs} "
+               f"recipes at a time with {threads or 'default'} torch thread(s) each")  # fmt: skip
     runs = ROOT / "runs"
     results = run_side_by_side(
         run_recipe,
-        [(n, run, args.minutes, runs, threads) for n, run in enumerate(args.runs)],
+        [(n, run, args.minutes, runs, threads, machine) for n, run in enumerate(args.runs)],
         args.jobs,
         lambda r: print(table([r]), flush=True),
     )
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
-        f"{args.jobs} recipes at a time with {threads or 'default'} torch thread(s) each",
-        "torch": torch.__version__,
-        "budget_minutes": args.minutes,
-    }
-    md = [f"# The tiny model learns task families ({meta['date']}, {meta['machine']})", ""]
-    md += [f"Budget: {args.minutes} minutes of RL per recipe after its warm-up (format only: "
-           "the random policy replayed); held-out success on the recipe's eval tasks.",
-           ""]  # fmt: skip
-    md += [table(results), "", *curve_lines(results, "run")]
+    meta = {"torch": torch.__version__}
+    kept = [r for r in previous_runs(args.out) if r["run"] not in args.runs]
+    results = kept + results
+    md = ["# The tiny model learns task families", ""]
+    md += ["Each run: the recipe's RL budget in minutes after its warm-up (format only: the "
+           "environment's random policy replayed), held-out success on the recipe's eval "
+           "tasks; chance is the environment's own estimate for a random policy.", ""]  # fmt: skip
+    md += [table(results), ""]
+    md += [f"- {r['run']}: {r['date']}, {r['machine']}, {r['budget_minutes']} min" for r in results]
+    md += ["", *curve_lines(results, "run")]
     write_results(args.out, meta, results, md)
     print(table(results))
+
+
+def previous_runs(out: Path) -> list[dict[str, Any]]:
+    """The runs an earlier invocation wrote to ``out``.json (none if there is none)."""
+    path = out.with_suffix(".json")
+    return list(json.loads(path.read_text())["runs"]) if path.is_file() else []
 
 
 if __name__ == "__main__":
