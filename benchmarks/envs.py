@@ -175,8 +175,9 @@ def main() -> None:
         "for Sokoban). The bandit's is 1/2 by construction (two arms); its learning signal is "
         "the payout: 0.20 expected at random, 0.25 for the better arm.",
         "- search_qa: the oracle searches each hop's entity by name, in order (one search per "
-        "hop), and answers with what it read; the random policy searches a random entity and "
-        "answers a random entity's name (chance: 1 / number of entities). secret_lookup "
+        "hop), and answers with what it read; the random policy searches a random word of the "
+        "question and answers a random name that search showed (chance, a blind guess: 1 / "
+        "number of entities). secret_lookup "
         "without its tool (the learning proof's control) is not listed: its oracle is chance.",
         "- episodes/s: one process, no model; random: task generation + reset + steps; oracle: "
         "the same plus the oracle's planning (Sokoban: a breadth-first solver).",
