@@ -320,25 +320,17 @@ class SearchQA:
         )
 
     def make_env(self) -> ToolEnv:
-        def tools(task: Task) -> ToolSet:
-            index = self._index_for(task)
-            return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
-
         if self.search_reward > 0 and self.search_shaping == "retrieval":
             return self._retrieval_shaped_env()
         shaping = None
         if self.search_reward > 0:
             shaping = CompositeReward(format_weight=0.0, tool_weight=self.search_reward)
-        return ToolEnv(tools, get_format(self.format), _verify, max_tool_calls=self.max_searches,
-                       reward=shaping)  # fmt: skip
+        return ToolEnv(self._tools, get_format(self.format), _verify,
+                       max_tool_calls=self.max_searches, reward=shaping)  # fmt: skip
 
     def _retrieval_shaped_env(self) -> ToolEnv:
         """One episode's env whose verifier adds ``search_reward`` x the fraction of hops
         whose article the episode's searches (those that ran) brought back."""
-
-        def tools(task: Task) -> ToolSet:
-            index = self._index_for(task)  # cached per world: the verifier searches the same
-            return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
 
         def verify(task: Task, answer: str) -> Verdict:
             verdict = _verify(task, answer)
@@ -349,8 +341,16 @@ class SearchQA:
             components = {**verdict.components, "outcome": verdict.reward, "retrieved": found}
             return Verdict(verdict.reward + self.search_reward * found, verdict.success, components)
 
-        env = ToolEnv(tools, get_format(self.format), verify, max_tool_calls=self.max_searches)
+        env = ToolEnv(
+            self._tools, get_format(self.format), verify, max_tool_calls=self.max_searches
+        )
         return env
+
+    def _tools(self, task: Task) -> ToolSet:
+        """The task's search tool (its index is cached per world, so a verifier that searches
+        again searches the same index)."""
+        index = self._index_for(task)
+        return ToolSet([index.as_tool(k=self.top_k, snippet_chars=self.snippet_chars)])
 
     def _shaping_text(self) -> str:
         if self.search_reward == 0:
