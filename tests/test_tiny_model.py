@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,25 @@ def test_echo_tuning_teaches_generic_copying(tmp_path: Path) -> None:
     )
     info = json.loads((out / "turnrl_model.json").read_text())
     assert info["echo_loss_last"] < info["echo_loss_first"]
+
+
+def test_echo_on_made_up_words_leaves_the_default_chats_alone() -> None:
+    from turnrl.models.pretrain import echo_chats, made_up_word
+
+    words = ["tulip", "river", "stone"]
+    assert echo_chats(words, 50, seed=3) == echo_chats(words, 50, seed=3, novel_fraction=0.0)
+    novel = echo_chats(words, 200, seed=3, novel_fraction=0.5)
+    replies = [c[1]["content"] for c in novel]
+    assert all(c[1]["content"] in c[0]["content"] for c in novel)  # still a copy of the prompt
+    made_up = [r for r in replies if not set(r.split()) <= set(words)]
+    assert 60 <= len(made_up) <= 140  # about half, drawn afresh: almost no repeats
+    assert len(set(made_up)) > 0.9 * len(made_up)
+    rng = random.Random(0)
+    samples = [made_up_word(rng) for _ in range(200)]
+    assert all(w.isalpha() and 2 <= len(w) <= 16 for w in samples)
+    assert any(w[0].isupper() for w in samples) and any(w[0].islower() for w in samples)
+
+
+def test_echo_novel_is_validated() -> None:
+    with pytest.raises(ConfigError, match="echo_novel"):
+        TinyModelConfig(echo_novel=1.5)

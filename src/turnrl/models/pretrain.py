@@ -5,6 +5,12 @@ model initialised from scratch cannot, and RL would have to discover copying fro
 reward. This stage teaches that one generic ability on task-free chats ("Say tulip." ->
 "tulip", "Repeat: a b c" -> "a b c"): no tools, no tool calls, no tool responses, no
 questions about tables. Loss on the assistant's tokens only.
+
+With ``novel_fraction`` > 0, that share of the chats repeat made-up words (random
+syllables over the whole alphabet, made afresh per chat) instead of known ones: the model
+then learns to copy token sequences it has never seen (a new name cut into several BPE
+pieces), not only words it has a single token for. Real base models can; a task whose
+answers are unseen names (``search_qa`` with a fresh world per task) needs it.
 """
 
 from __future__ import annotations
@@ -25,14 +31,40 @@ _PROMPTS = (
 )
 
 
-def echo_chats(words: Sequence[str], count: int, seed: int) -> list[list[dict[str, str]]]:
-    """``count`` task-free chats in which the assistant repeats words from the user."""
+_CONSONANTS = "bcdfghjklmnpqrstvwxz"
+_VOWELS = "aeiouy"
+
+
+def made_up_word(rng: random.Random) -> str:
+    """A pronounceable non-word: 1-4 random syllables (an onset of one consonant or a
+    two-consonant cluster, a vowel, sometimes a final consonant), capitalised half of the
+    time (names are)."""
+    syllables = []
+    for _ in range(rng.randint(1, 4)):
+        onset = rng.choice(_CONSONANTS)
+        if rng.random() < 0.3:
+            onset += rng.choice("hlrstw")
+        coda = rng.choice(_CONSONANTS) if rng.random() < 0.4 else ""
+        syllables.append(onset + rng.choice(_VOWELS) + coda)
+    word = "".join(syllables)
+    return word.capitalize() if rng.random() < 0.5 else word
+
+
+def echo_chats(
+    words: Sequence[str], count: int, seed: int, novel_fraction: float = 0.0
+) -> list[list[dict[str, str]]]:
+    """``count`` task-free chats in which the assistant repeats words from the user; a
+    ``novel_fraction`` of them repeat made-up words instead (see the module docstring)."""
     rng = random.Random(seed)
+    novel = random.Random(f"{seed}/novel")  # its own stream: fraction 0 leaves chats as they were
     chats = []
     for _ in range(count):
         prompt, reply = rng.choice(_PROMPTS)
         word = rng.choice(words)
         span = " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))
+        if novel_fraction > 0 and novel.random() < novel_fraction:
+            word = made_up_word(novel)
+            span = " ".join(made_up_word(novel) for _ in range(novel.randint(1, 4)))
         chats.append(
             [
                 {"role": "user", "content": prompt.format(w=word, s=span)},
@@ -50,10 +82,11 @@ def pretrain_echo(
     steps: int,
     seed: int,
     lr: float = 3e-3,
+    novel_fraction: float = 0.0,
     progress: bool = False,
 ) -> list[float]:
     """Train ``model`` in place on echo chats; return the loss of every step."""
-    chats = echo_chats(words, steps * 32, seed)
+    chats = echo_chats(words, steps * 32, seed, novel_fraction)
     encoded = []
     for chat in chats:
         head = tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)

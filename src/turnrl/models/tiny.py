@@ -128,6 +128,9 @@ class TinyModelConfig:
     """Steps of generic "repeat what was said" instruction tuning after initialisation
     (``turnrl.models.pretrain``): gives the model the in-context copying that real base
     models have. 0 leaves the model random (fast, for tests)."""
+    echo_novel: float = 0.0
+    """Share of the echo chats that repeat made-up words instead of known ones, so copying
+    works on names the tokenizer splits into pieces (``pretrain.made_up_word``)."""
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCHS:
@@ -146,6 +149,10 @@ class TinyModelConfig:
                 )
         if self.echo_steps < 0:
             raise ConfigError(f"TinyModelConfig.echo_steps must be >= 0, got {self.echo_steps}")
+        if not 0.0 <= self.echo_novel <= 1.0:
+            raise ConfigError(
+                f"TinyModelConfig.echo_novel must be in [0, 1], got {self.echo_novel}"
+            )
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ConfigError(
                 f"TinyModelConfig.vocab_size must be at least {256 + len(SPECIAL_TOKENS)} "
@@ -381,7 +388,13 @@ def build_tiny_model(
     num_parameters = sum(p.numel() for p in model.parameters())
     echo_losses = (
         pretrain_echo(
-            model, tokenizer, _WORDS, steps=config.echo_steps, seed=config.seed, progress=progress
+            model,
+            tokenizer,
+            _WORDS,
+            steps=config.echo_steps,
+            seed=config.seed,
+            novel_fraction=config.echo_novel,
+            progress=progress,
         )
         if config.echo_steps
         else []

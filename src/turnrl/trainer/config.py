@@ -43,6 +43,9 @@ class ModelConfig:
     echo_steps: int = 0
     """Tiny model: steps of generic "repeat what was said" tuning after initialisation
     (in-context copying, which real base models have); 0 keeps it random."""
+    echo_novel: float = 0.0
+    """Tiny model: share of the echo chats on made-up words, so it can copy names it has
+    never seen (a world of fresh names, as in ``search_qa``); 0 copies known words only."""
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,7 @@ def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) ->
         num_heads=m.num_heads,
         vocab_size=m.vocab_size,
         echo_steps=m.echo_steps,
+        echo_novel=m.echo_novel,
         seed=config.seed,
     )
     target = run_dir / "base_model"
