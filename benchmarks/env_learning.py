@@ -93,12 +93,18 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=RUNS, metavar="RECIPE[,KEY=VALUE...]")
     parser.add_argument("--minutes", type=float, default=15.0, help="RL budget per recipe")
     parser.add_argument("--jobs", type=int, default=2, help="recipes trained side by side")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per recipe (default: the cores shared by the jobs)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "env_learning")
     args = parser.parse_args()
     for run in args.runs:  # fail before any training on a bad recipe or override
         name, *overrides = run.split(",")
         load_config(name, overrides)
-    threads = threads_per_job(args.jobs)
+    threads = threads_per_job(args.jobs) if args.threads is None else args.threads
     machine = (f"{platform.machine()}, {multiprocessing.cpu_count()} cores, {args.jobs} "
                f"recipes at a time with {threads or 'default'} torch thread(s) each")  # fmt: skip
     runs = ROOT / "runs"

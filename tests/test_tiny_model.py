@@ -354,7 +354,8 @@ def test_echo_on_made_up_words_leaves_the_default_chats_alone() -> None:
     rng = random.Random(0)
     samples = [made_up_word(rng) for _ in range(200)]
     assert all(w.isalpha() and 2 <= len(w) <= 16 for w in samples)
-    assert any(w[0].isupper() for w in samples) and any(w[0].islower() for w in samples)
+    assert any(w[0].isupper() for w in samples)
+    assert any(w[0].islower() for w in samples)
 
 
 def test_echo_novel_is_validated() -> None:
