@@ -245,6 +245,36 @@ def test_runs_are_reproducible_to_the_bit_whatever_the_threads_timing(
     assert runs[0] == runs[1]  # same tokens and the very same float log-probs
 
 
+def test_a_barrier_asked_for_after_the_program_returned_releases_at_once(
+    model: Any, tokenizer: Any
+) -> None:
+    """A completion settled while ``asyncio.run`` cancels what is left would otherwise start
+    a barrier task that is never cancelled ("Task was destroyed but it is pending")."""
+    from turnrl.backends.torch_backend import _BARRIERS, _start_barrier
+
+    backend = TorchBackend(model, tokenizer)
+    collect(backend, tokenizer, via_run=True)
+    assert backend.program_over
+    released: list[bool] = []
+
+    async def ask() -> int:
+        _start_barrier([lambda: True], lambda: released.append(True), backend)
+        return len(_BARRIERS)
+
+    assert asyncio.run(ask()) == 0
+    assert released == [True]
+    backend.program_over = False  # while a program runs, the barrier waits as before
+
+    async def ask_running() -> int:
+        _start_barrier([lambda: True], lambda: released.append(True), backend)
+        started = len(_BARRIERS)
+        while len(released) < 2:
+            await asyncio.sleep(0)
+        return started
+
+    assert asyncio.run(ask_running()) == 1
+
+
 def test_a_growing_layer_appends_in_place_and_grows_like_a_dynamic_one() -> None:
     from transformers.cache_utils import DynamicLayer
 

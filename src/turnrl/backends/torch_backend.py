@@ -70,6 +70,10 @@ class TorchBackend:
         self._jobs: queue.SimpleQueue[_Job | _Ack | None] | None = None
         self.submissions = 0
         """Jobs handed to the running batch so far (the lockstep barrier watches it)."""
+        self.program_over = False
+        """Set on the event loop when ``run``'s program has returned: a barrier asked for
+        after that releases at once (``asyncio.run`` is then cancelling what is left, and a
+        task started now would be destroyed pending when the loop closes)."""
 
     def _share(
         self, requests: Sequence[GenerationRequest], device: torch.device
@@ -131,15 +135,22 @@ class TorchBackend:
         jobs: queue.SimpleQueue[_Job | _Ack | None] = queue.SimpleQueue()
         outcome: dict[str, Any] = {}
 
+        async def program_then_over() -> T:
+            try:
+                return await program
+            finally:
+                self.program_over = True
+
         def drive() -> None:
             try:
-                outcome["value"] = asyncio.run(program)
+                outcome["value"] = asyncio.run(program_then_over())
             except BaseException as exc:  # re-raised on the calling thread
                 outcome["error"] = exc
             finally:
                 jobs.put(None)
 
         self._jobs = jobs
+        self.program_over = False
         helper = threading.Thread(target=drive, name="turnrl-episodes", daemon=True)
         with self._lock, _eval_mode(self.model):
             helper.start()
@@ -368,6 +379,10 @@ def _start_barrier(
     """On the event loop, after the completions that called for it were settled: wait
     until every ``check`` holds and no job was submitted for ``LOCKSTEP_TURNS`` turns,
     then ``release`` the torch thread."""
+
+    if backend.program_over:
+        release()
+        return
 
     async def barrier() -> None:
         try:
