@@ -1,0 +1,141 @@
+"""How well the tiny model copies from its context, by echo-tuning budget and word source.
+
+The tiny model gets its in-context copying from echo tuning (``turnrl.models.pretrain``).
+Tasks whose answers are names the model has never seen (``search_qa`` builds a fresh
+world per task; its names are cut into several BPE pieces) need copying of unseen token
+sequences, not only of words the tokenizer has one token for. This measures, greedily:
+
+- ``made-up``: "Say W." for made-up words from the echo generator's own distribution
+  (a seed the tuning never used);
+- ``names``: "Say N." for person and city names of search_qa worlds the model never saw;
+- ``names in a sentence``: "The word is N. What is the word?" for the same names.
+
+    python benchmarks/copying.py                   # builds the four models below (~25 min)
+    python benchmarks/copying.py --models DIR ...  # measures models already built
+
+Each model is built like the ``search_qa`` recipe's (its corpus, 64 wide, 2 layers, seed 0)
+with ``echo_steps`` x ``echo_novel`` from ``CONFIGS``. Writes benchmarks/results/copying.json
+and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from training_runs import write_results
+from turnrl.envs import make_env_spec
+from turnrl.envs.search_qa import build_world
+from turnrl.models import TinyModelConfig, build_tiny_model
+from turnrl.models.pretrain import made_up_word
+from turnrl.trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parent
+CONFIGS = [(2500, 0.0), (2500, 0.5), (6000, 0.5), (6000, 0.8)]  # (echo_steps, echo_novel)
+NUM_WORDS = 60
+
+
+def build(out: Path, echo_steps: int, echo_novel: float) -> Path:
+    """The search_qa recipe's tiny model with the given echo tuning."""
+    recipe = load_config("search_qa")
+    spec = make_env_spec(recipe.env.name, **recipe.env.options)
+    m = recipe.model
+    config = TinyModelConfig(
+        arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
+        num_heads=m.num_heads, vocab_size=m.vocab_size, echo_steps=echo_steps,
+        echo_novel=echo_novel, seed=recipe.seed,
+    )  # fmt: skip
+    return build_tiny_model(out, config, extra_corpus=spec.corpus(), overwrite=True)
+
+
+def copy_rate(model: Any, tokenizer: Any, words: list[str], template: str) -> float:
+    """Share of ``words`` the model's greedy reply to ``template`` repeats exactly."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    hits = 0
+    for word in words:
+        chat = [{"role": "user", "content": template.format(w=word)}]
+        ids = tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=end)
+        hits += tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == word
+    return hits / len(words)
+
+
+def unseen_names(count: int) -> list[str]:
+    """Person and city names of search_qa worlds no recipe builds (seeds "copying/i")."""
+    names: list[str] = []
+    i = 0
+    while len(names) < count:
+        world = build_world(f"copying/{i}", 2, 4, 2, 6)
+        names += [n for kind in ("person", "city") for n in world.names(kind)[:1]]
+        i += 1
+    return names[:count]
+
+
+def measure(path: Path) -> dict[str, Any]:
+    info = json.loads((path / "turnrl_model.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    rng = random.Random("copying-benchmark")
+    made_up = [made_up_word(rng) for _ in range(NUM_WORDS)]
+    names = unseen_names(NUM_WORDS)
+    pieces = sum(len(tokenizer.encode(n, add_special_tokens=False)) for n in names) / len(names)
+    return {
+        "model": str(path),
+        "echo_steps": info["config"]["echo_steps"],
+        "echo_novel": info["config"].get("echo_novel", 0.0),
+        "echo_loss_last": info["echo_loss_last"],
+        "made_up": copy_rate(model, tokenizer, made_up, "Say {w}."),
+        "names": copy_rate(model, tokenizer, names, "Say {w}."),
+        "names_in_sentence": copy_rate(
+            model, tokenizer, names, "The word is {w}. What is the word?"
+        ),
+        "tokens_per_name": round(pieces, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", type=Path, help="measure these model dirs")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "copying")
+    args = parser.parse_args()
+    paths = args.models
+    if not paths:
+        paths = [build(ROOT / "runs" / f"copying-echo{s}-novel{n}", s, n) for s, n in CONFIGS]
+    results = sorted((measure(p) for p in paths), key=lambda r: (r["echo_steps"], r["echo_novel"]))
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, torch {torch.__version__}",
+        "num_words": NUM_WORDS,
+    }
+    lines = [
+        f"# In-context copying of the tiny model ({meta['date']}, {meta['machine']})",
+        "",
+        f"Greedy exact repeats of {NUM_WORDS} words each; search_qa-style names average "
+        f"{results[0]['tokens_per_name']} tokens.",
+        "",
+        "| echo steps | made-up share | echo loss (last) | made-up words | names | "
+        "names in a sentence |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['echo_steps']} | {r['echo_novel']} | {r['echo_loss_last']:.3f} | "
+        f"{r['made_up']:.2f} | {r['names']:.2f} | {r['names_in_sentence']:.2f} |"
+        for r in results
+    ]
+    write_results(args.out, meta, results, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
