@@ -34,9 +34,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from training_runs import write_results
 from turnrl.envs import make_env_spec
 from turnrl.envs.search_qa import build_world
-from turnrl.models import TinyModelConfig, build_tiny_model
+from turnrl.models import build_tiny_model
 from turnrl.models.pretrain import made_up_word
 from turnrl.trainer.config import load_config
+from turnrl.trainer.loop import tiny_model_config
 
 ROOT = Path(__file__).resolve().parent
 CONFIGS = [(2500, 0.0), (2500, 0.5), (6000, 0.5), (6000, 0.8)]  # (echo_steps, echo_novel)
@@ -45,15 +46,12 @@ NUM_WORDS = 60
 
 def build(out: Path, echo_steps: int, echo_novel: float) -> Path:
     """The search_qa recipe's tiny model with the given echo tuning."""
-    recipe = load_config("search_qa")
+    recipe = load_config("search_qa", [f"model.echo_steps={echo_steps}",
+                                       f"model.echo_novel={echo_novel}"])  # fmt: skip
     spec = make_env_spec(recipe.env.name, **recipe.env.options)
-    m = recipe.model
-    config = TinyModelConfig(
-        arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
-        num_heads=m.num_heads, vocab_size=m.vocab_size, echo_steps=echo_steps,
-        echo_novel=echo_novel, seed=recipe.seed,
-    )  # fmt: skip
-    return build_tiny_model(out, config, extra_corpus=spec.corpus(), overwrite=True)
+    return build_tiny_model(
+        out, tiny_model_config(recipe), extra_corpus=spec.corpus(), overwrite=True
+    )
 
 
 def copy_rate(model: Any, tokenizer: Any, words: list[str], template: str) -> float:

@@ -8,8 +8,7 @@ further warm-up), with its own algorithm knobs (recipes/NAME.toml, docs/papers.m
 
 Why 6000: at 2500 echo steps the tiny model's in-context copying is unfinished (echo loss
 still falling), and only turn-level credit (GiGPO) got past it in 15 minutes; with the
-copying finished, episode-level estimators learn the probe too (README, "Algorithms and
-presets"). The start model is the same for every preset either way.
+copying finished, GRPO and RLOO learn the probe too (README, "Algorithms and presets"). The start model is the same for every preset either way.
 
     python benchmarks/presets.py --minutes 15        # all presets, 2 at a time
     python benchmarks/presets.py --presets grpo gigpo --minutes 3 --jobs 1

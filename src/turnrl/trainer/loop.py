@@ -225,11 +225,11 @@ def _say(message: str, progress: bool) -> None:
         logger.warning(message)
 
 
-def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
-    if config.model.path:
-        return Path(config.model.path)
+def tiny_model_config(config: Config) -> TinyModelConfig:
+    """The tiny model a run with an empty ``model.path`` builds (its shape, echo tuning and
+    the run's seed)."""
     m = config.model
-    tiny = TinyModelConfig(
+    return TinyModelConfig(
         arch=m.arch,
         hidden_size=m.hidden_size,
         num_layers=m.num_layers,
@@ -239,6 +239,12 @@ def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) ->
         echo_novel=m.echo_novel,
         seed=config.seed,
     )
+
+
+def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
+    if config.model.path:
+        return Path(config.model.path)
+    tiny = tiny_model_config(config)
     target = run_dir / "base_model"
     if (target / "config.json").is_file():
         return target
