@@ -13,6 +13,11 @@ copying finished, GRPO and RLOO learn the probe too (README, "Algorithms and pre
     python benchmarks/presets.py --minutes 15        # all presets, 2 at a time
     python benchmarks/presets.py --presets grpo gigpo --minutes 3 --jobs 1
     python benchmarks/presets.py --echo-steps 2500   # the learning proof's base model
+    python benchmarks/presets.py --presets dapo --set algorithm.kl_coef=0 --merge
+
+``--set KEY=VALUE`` changes every listed preset (an ablation: the row is labelled with it);
+``--merge`` keeps the rows already in the results file that this run does not re-measure, so
+a table can grow preset by preset (each row records its own date and machine sharing).
 
 Writes benchmarks/results/presets.json and .md.
 """
@@ -20,6 +25,7 @@ Writes benchmarks/results/presets.json and .md.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import platform
 import shutil
@@ -53,14 +59,24 @@ def warmup_checkpoint(runs: Path, seed: int, echo_steps: int) -> Path:
 
 
 def run_preset(
-    name: str, start: Path, seed: int, minutes: float, runs: Path, threads: int
+    name: str,
+    start: Path,
+    seed: int,
+    minutes: float,
+    runs: Path,
+    threads: int,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     overrides = [
         *PROBE, f"seed={seed}", f"model.path={start}", "warmup.steps=0",
-        f"max_minutes={minutes}", f"threads={threads}",
+        f"max_minutes={minutes}", f"threads={threads}", *extra,
     ]  # fmt: skip
     config = load_config(name, overrides)
-    run_dir = runs / f"preset-{name}"
+    variant = " ".join(extra)
+    suffix = "".join(  # algorithm.kl_coef=0.1 -> -kl_coef0.1
+        f"-{key.rpartition('.')[2]}{value}" for key, _, value in (o.partition("=") for o in extra)
+    )
+    run_dir = runs / f"preset-{name}{suffix}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
     result = train(config, run_dir, progress=False)
@@ -69,6 +85,8 @@ def run_preset(
     reached = first_reaching(curve, 0.8)
     return {
         "preset": name,
+        "variant": variant,
+        "date": time.strftime("%Y-%m-%d"),
         "start_success": curve[0][2],
         "final_success": curve[-1][2],
         "best_success": max(v for _, _, v in curve),
@@ -81,6 +99,19 @@ def run_preset(
     }
 
 
+def label(row: dict[str, Any]) -> str:
+    """The preset's name, with the ablation's overrides if it ran with any."""
+    return f"{row['preset']} ({row['variant']})" if row.get("variant") else row["preset"]
+
+
+def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` rows that ``new`` does not re-measure, plus ``new``; in preset order, each
+    preset's recipe as shipped before its ablations."""
+    fresh = {label(r) for r in new}
+    rows = [r for r in old if label(r) not in fresh] + new
+    return sorted(rows, key=lambda r: (PRESETS.index(r["preset"]), r.get("variant", "")))
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| preset | start | final | best | steps | steps to 80% | minutes to 80% | wall min |",
@@ -88,7 +119,7 @@ def table(results: list[dict[str, Any]]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['preset']} | {r['start_success']:.2f} | {r['final_success']:.2f} | "
+            f"| {label(r)} | {r['start_success']:.2f} | {r['final_success']:.2f} | "
             f"{r['best_success']:.2f} | {r['steps']} | {r['step_reaching_80'] or '-'} | "
             f"{r['minutes_to_80'] or 'not reached'} | {r['wall_minutes']} |"
         )
@@ -107,33 +138,75 @@ def main() -> None:
         help="generic copying steps of the shared base model",
     )
     parser.add_argument("--jobs", type=int, default=2, help="presets trained side by side")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per preset (0: cores / jobs)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for every listed preset (an ablation; the rows are labelled with it)",
+    )
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the rows of --out this run does not re-run"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "presets")
     args = parser.parse_args()
     runs = ROOT / "runs"
     start = warmup_checkpoint(runs, args.seed, args.echo_steps)
-    threads = max(1, multiprocessing.cpu_count() // args.jobs)
-    results = run_side_by_side(
-        run_preset,
-        [(name, start, args.seed, args.minutes, runs, threads) for name in args.presets],
-        args.jobs,
-        lambda r: print(table([r]), flush=True),
+    threads = args.threads or max(1, multiprocessing.cpu_count() // args.jobs)
+    extra = tuple(args.overrides)
+    machine = (
+        f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
+        f"{args.jobs} presets at a time with {threads} torch thread(s) each"
     )
+    calls = [(name, start, args.seed, args.minutes, runs, threads, extra) for name in args.presets]
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
-        f"{args.jobs} presets at a time with {threads} torch thread(s) each",
         "torch": torch.__version__,
         "budget_minutes": args.minutes,
         "seed": args.seed,
         "echo_steps": args.echo_steps,
     }
-    md = [f"# Presets on the secret-lookup probe ({meta['date']}, {meta['machine']})", ""]
+    kept = earlier_rows(args, meta)  # checked before hours of training, not after
+    done: list[dict[str, Any]] = []
+
+    def finished(row: dict[str, Any]) -> None:  # saved as each preset ends: nothing is lost
+        row["machine"] = machine
+        done.append(row)
+        print(table([row]), flush=True)
+        save(args, meta, merged(earlier_rows(args, meta), done))  # re-read: another run may
+        # have added rows meanwhile
+
+    results = run_side_by_side(run_preset, calls, args.jobs, finished)
+    print(table(merged(kept, results)))
+
+
+def earlier_rows(args: argparse.Namespace, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """With ``--merge``, the rows already in the results file (which must have been measured
+    with the same budget, seed and base model); otherwise none."""
+    path = args.out.with_suffix(".json")
+    if not (args.merge and path.is_file()):
+        return []
+    old = json.loads(path.read_text())
+    if {k: old.get(k) for k in meta} != meta:
+        raise SystemExit(f"--merge: {path} was measured with other settings than {meta}")
+    rows: list[dict[str, Any]] = old["runs"]
+    return rows
+
+
+def save(args: argparse.Namespace, meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    dates = sorted({r["date"] for r in results})
+    md = ["# Presets on the secret-lookup probe", ""]
     md += [f"Budget: {args.minutes} minutes of RL per preset, seed {args.seed}, from one "
            f"warm-up checkpoint (base model: {args.echo_steps} echo steps); held-out success "
-           "on 128 tasks (chance 0.083).", ""]  # fmt: skip
-    md += [table(results), "", *curve_lines(results, "preset")]
+           f"on 128 tasks (chance 0.083). Measured {', '.join(dates)}; torch {meta['torch']}. "
+           "A row with overrides in brackets is an ablation of that preset's recipe.", ""]  # fmt: skip
+    md += [table(results), "", "Where and how each row ran:", ""]
+    md += [f"- {label(r)}: {r['date']}, {r.get('machine', 'not recorded')}" for r in results]
+    md += ["", *curve_lines([{**r, "label": label(r)} for r in results], "label")]
     write_results(args.out, meta, results, md)
-    print(table(results))
 
 
 if __name__ == "__main__":

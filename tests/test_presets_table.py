@@ -1,0 +1,34 @@
+"""The presets benchmark's table can grow row by row (``--merge``) and labels ablations."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import presets
+
+
+def row(preset: str, variant: str = "", final: float = 0.5) -> dict[str, Any]:
+    return {"preset": preset, "variant": variant, "final_success": final}
+
+
+def test_an_ablation_is_labelled_with_its_overrides() -> None:
+    assert presets.label(row("dapo")) == "dapo"
+    assert presets.label(row("dapo", "algorithm.kl_coef=0")) == "dapo (algorithm.kl_coef=0)"
+    assert presets.label({"preset": "grpo"}) == "grpo"  # rows written before variants existed
+
+
+def test_merge_replaces_what_was_re_run_and_keeps_the_rest_in_preset_order() -> None:
+    old = [row("gigpo", final=1.0), row("dapo", final=0.1), row("grpo", final=0.9)]
+    new = [row("dapo", final=0.8), row("dapo", "algorithm.kl_coef=0", final=0.09)]
+    rows = presets.merged(old, new)
+    assert [presets.label(r) for r in rows] == [
+        "grpo",
+        "dapo",
+        "dapo (algorithm.kl_coef=0)",
+        "gigpo",
+    ]
+    assert [r["final_success"] for r in rows] == [0.9, 0.8, 0.09, 1.0]
