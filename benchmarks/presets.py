@@ -8,7 +8,8 @@ further warm-up), with its own algorithm knobs (recipes/NAME.toml, docs/papers.m
 
 Why 6000: at 2500 echo steps the tiny model's in-context copying is unfinished (echo loss
 still falling), and only turn-level credit (GiGPO) got past it in 15 minutes; with the
-copying finished, GRPO and RLOO learn the probe too (README, "Algorithms and presets"). The start model is the same for every preset either way.
+copying finished, every preset learns the probe (README, "Algorithms and presets"; five
+of them thanks to the KL their recipes add). The start model is the same for every preset.
 
     python benchmarks/presets.py --minutes 15        # all presets, 2 at a time
     python benchmarks/presets.py --presets grpo gigpo --minutes 3 --jobs 1
@@ -152,15 +153,26 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="keep the rows of --out this run does not re-run"
     )
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite the .md from the .json, no training"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "presets")
     args = parser.parse_args()
+    if args.render:  # e.g. after noting by hand what else ran on the machine beside a row
+        old = json.loads(args.out.with_suffix(".json").read_text())
+        meta = {k: v for k, v in old.items() if k != "runs"}
+        args.minutes, args.seed, args.echo_steps = (
+            meta["budget_minutes"], meta["seed"], meta["echo_steps"]
+        )  # fmt: skip
+        save(args, meta, merged([], old["runs"]))
+        return
     runs = ROOT / "runs"
     start = warmup_checkpoint(runs, args.seed, args.echo_steps)
     threads = args.threads or max(1, multiprocessing.cpu_count() // args.jobs)
     extra = tuple(args.overrides)
     machine = (
         f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
-        f"{args.jobs} presets at a time with {threads} torch thread(s) each"
+        f"{args.jobs} preset(s) at a time in this run, {threads} torch thread(s) each"
     )
     calls = [(name, start, args.seed, args.minutes, runs, threads, extra) for name in args.presets]
     meta = {
