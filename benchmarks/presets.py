@@ -166,6 +166,13 @@ def main() -> None:
         )  # fmt: skip
         save(args, meta, merged([], old["runs"]))
         return
+    meta = {
+        "torch": torch.__version__,
+        "budget_minutes": args.minutes,
+        "seed": args.seed,
+        "echo_steps": args.echo_steps,
+    }
+    earlier_rows(args, meta)  # a results file that cannot be merged fails now, not in hours
     runs = ROOT / "runs"
     start = warmup_checkpoint(runs, args.seed, args.echo_steps)
     threads = args.threads or max(1, multiprocessing.cpu_count() // args.jobs)
@@ -175,13 +182,6 @@ def main() -> None:
         f"{args.jobs} preset(s) at a time in this run, {threads} torch thread(s) each"
     )
     calls = [(name, start, args.seed, args.minutes, runs, threads, extra) for name in args.presets]
-    meta = {
-        "torch": torch.__version__,
-        "budget_minutes": args.minutes,
-        "seed": args.seed,
-        "echo_steps": args.echo_steps,
-    }
-    kept = earlier_rows(args, meta)  # checked before hours of training, not after
     done: list[dict[str, Any]] = []
 
     def finished(row: dict[str, Any]) -> None:  # saved as each preset ends: nothing is lost
@@ -192,7 +192,7 @@ def main() -> None:
         # have added rows meanwhile
 
     results = run_side_by_side(run_preset, calls, args.jobs, finished)
-    print(table(merged(kept, results)))
+    print(table(merged(earlier_rows(args, meta), results)))
 
 
 def earlier_rows(args: argparse.Namespace, meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -209,6 +209,7 @@ def earlier_rows(args: argparse.Namespace, meta: dict[str, Any]) -> list[dict[st
 
 
 def save(args: argparse.Namespace, meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """The results file: every row with its curve (.json) and the table (.md)."""
     dates = sorted({r["date"] for r in results})
     md = ["# Presets on the secret-lookup probe", ""]
     md += [f"Budget: {args.minutes} minutes of RL per preset, seed {args.seed}, from one "
