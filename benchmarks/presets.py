@@ -160,11 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:  # e.g. after noting by hand what else ran on the machine beside a row
         old = json.loads(args.out.with_suffix(".json").read_text())
-        meta = {k: v for k, v in old.items() if k != "runs"}
-        args.minutes, args.seed, args.echo_steps = (
-            meta["budget_minutes"], meta["seed"], meta["echo_steps"]
-        )  # fmt: skip
-        save(args, meta, merged([], old["runs"]))
+        save(args.out, {k: v for k, v in old.items() if k != "runs"}, merged([], old["runs"]))
         return
     meta = {
         "torch": torch.__version__,
@@ -188,7 +184,7 @@ def main() -> None:
         row["machine"] = machine
         done.append(row)
         print(table([row]), flush=True)
-        save(args, meta, merged(earlier_rows(args, meta), done))  # re-read: another run may
+        save(args.out, meta, merged(earlier_rows(args, meta), done))  # re-read: another run may
         # have added rows meanwhile
 
     results = run_side_by_side(run_preset, calls, args.jobs, finished)
@@ -208,18 +204,18 @@ def earlier_rows(args: argparse.Namespace, meta: dict[str, Any]) -> list[dict[st
     return rows
 
 
-def save(args: argparse.Namespace, meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
+def save(out: Path, meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
     """The results file: every row with its curve (.json) and the table (.md)."""
     dates = sorted({r["date"] for r in results})
     md = ["# Presets on the secret-lookup probe", ""]
-    md += [f"Budget: {args.minutes} minutes of RL per preset, seed {args.seed}, from one "
-           f"warm-up checkpoint (base model: {args.echo_steps} echo steps); held-out success "
+    md += [f"Budget: {meta['budget_minutes']} minutes of RL per preset, seed {meta['seed']}, "
+           f"from one warm-up checkpoint (base model: {meta['echo_steps']} echo steps); held-out success "
            f"on 128 tasks (chance 0.083). Measured {', '.join(dates)}; torch {meta['torch']}. "
            "A row with overrides in brackets is an ablation of that preset's recipe.", ""]  # fmt: skip
     md += [table(results), "", "Where and how each row ran:", ""]
     md += [f"- {label(r)}: {r['date']}, {r.get('machine', 'not recorded')}" for r in results]
     md += ["", *curve_lines([{**r, "label": label(r)} for r in results], "label")]
-    write_results(args.out, meta, results, md)
+    write_results(out, meta, results, md)
 
 
 if __name__ == "__main__":
