@@ -1,28 +1,39 @@
-# The two commands of the README. Each does its own set-up on a fresh machine:
-# a virtualenv in .venv, a CPU torch wheel where there is no GPU, the package and its
-# dev tools. Override TORCH_SPEC to pick another torch (e.g. TORCH_SPEC=torch on GPUs).
+# The two commands of the README. Each does its own set-up on a fresh machine: a virtualenv
+# in .venv, a CPU torch wheel where there is no GPU, then the package and its dev tools at
+# exactly the versions of requirements/lock.txt (what the suite was last tested with).
+# Override TORCH_SPEC to pick another torch (e.g. TORCH_SPEC=torch on GPUs); the lock holds
+# no torch, so it never forces a CPU build onto a GPU machine or the other way round.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.4,torch==2.13.0)
+LOCK := requirements/lock.txt
 STAMP := $(VENV)/.turnrl-installed
 DEMO_OUT ?= runs/quickstart-$(shell date +%Y%m%d-%H%M%S)
+LATEST_VENV ?= .venv-latest
+# The lock: one universal resolution (every OS, Python 3.10 and up) of the package with its
+# dev extra and the set-up tools, torch left out (requirements/not-locked.txt).
+UV_COMPILE = pyproject.toml requirements/tools.in --extra dev --universal --python-version 3.10 \
+	--excludes requirements/not-locked.txt --custom-compile-command "make lock" --quiet
 
-.PHONY: setup demo test lint typecheck unit learning-proof clean
+.PHONY: setup setup-test demo test lint typecheck unit learning-proof lock test-latest clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c $(LOCK) pip
+	$(PY) -m pip install --quiet -c $(LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
-# apt packages the tests use, installed where root has apt: bubblewrap isolates the code
-# sandbox (turnrl.tools.sandbox); chromium + chromium-driver render report.html in the
-# browser test; python3-pytest runs the swe libraries' own tests under /usr/bin/python3.
-APT_PACKAGES := bubblewrap chromium chromium-driver python3-pytest
 setup: $(STAMP)
+
+# Debian packages the tests use, installed where root has apt (recommended packages left
+# out): bubblewrap isolates the code sandbox (turnrl.tools.sandbox); chromium and
+# chromium-driver render report.html in the browser test; python3-pytest runs the swe
+# libraries' own tests under /usr/bin/python3. `make demo` needs none of them.
+APT_PACKAGES := bubblewrap chromium chromium-driver python3-pytest
+setup-test: setup
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
@@ -30,7 +41,8 @@ setup: $(STAMP)
 	/usr/bin/python3 -c "import pytest" >/dev/null 2>&1 || missing="$$missing python3-pytest"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends $$missing; \
 	  else \
 	    echo "warning: missing$$missing (needs root + apt-get): without bubblewrap the code" \
 	      "sandbox falls back to rlimits, which do not isolate; without chromium the report" \
@@ -49,14 +61,33 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: lint typecheck
+test: lint typecheck setup-test
 	$(VENV)/bin/pytest -q
 
-unit: setup
+unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"
 
 learning-proof: setup
 	$(PY) benchmarks/learning_proof.py
 
+# Re-resolve the lock at the newest versions pyproject.toml allows. Run `make test-latest`
+# first: it tests exactly that resolution, in a throwaway virtualenv.
+lock:
+	test -x $(VENV)/bin/uv || { python3 -m venv $(VENV) && $(PY) -m pip install --quiet uv; }
+	$(VENV)/bin/uv pip compile $(UV_COMPILE) --upgrade -o $(LOCK)
+
+# The canary: the newest release of every dependency (torch as TORCH_SPEC), in a throwaway
+# virtualenv, running the whole suite. Prints what differs from the lock; third-party
+# deprecations are listed in pytest's warnings summary. Green: `make lock` takes them.
+test-latest: setup-test
+	rm -rf $(LATEST_VENV) && python3 -m venv $(LATEST_VENV)
+	$(VENV)/bin/uv pip compile $(UV_COMPILE) --upgrade -o $(LATEST_VENV)/lock.txt
+	@echo "newer than $(LOCK):"; \
+	  diff $(LOCK) $(LATEST_VENV)/lock.txt | grep '^> [A-Za-z]' | sed 's/^> /  /' || echo "  nothing"
+	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt "$(TORCH_SPEC)"
+	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt -e ".[dev]"
+	$(LATEST_VENV)/bin/pytest -q -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from turnrl.backends.hf_cache import cache_kwargs, returned_cache
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
 Prefill = tuple[list[int], torch.Tensor, torch.Tensor, Any, int]
@@ -138,11 +139,11 @@ class DecodeBatch:
             input_ids=input_ids,
             attention_mask=attn,
             position_ids=positions,
-            past_key_values=past,
             use_cache=True,
+            **cache_kwargs(self.model, past),
         )
         self.forwards += 1
-        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        layers = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
         width = max(r.max_new_tokens for r in requests)
         uniforms = torch.stack(
             [
@@ -231,11 +232,11 @@ class DecodeBatch:
             input_ids=tok[:, None],
             attention_mask=self.attn,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **cache_kwargs(self.model, self.cache),
         )
         self.forwards += 1
-        self.cache = out.past_key_values  # grown in place by one position
+        self.cache = returned_cache(out)  # grown in place by one position
         self.layers = [(layer.keys, layer.values) for layer in self.cache.layers]
         self.logits = out.logits[:, -1, :].float()
 

@@ -33,6 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from turnrl.backends.engine import DecodeBatch, Prefill, Waiter
+from turnrl.backends.hf_cache import returned_cache
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
 from turnrl.types import Completion, GenerationRequest
 
@@ -93,7 +94,7 @@ class TorchBackend:
                 input_ids=torch.tensor([requests[0].prompt_ids[:shared]], device=device),
                 use_cache=True,
             )
-            past = head.past_key_values
+            past = returned_cache(head)
             past.batch_repeat_interleave(B)
         return input_ids.to(device), attn.to(device), past, shared
 

@@ -10,17 +10,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 from turnrl.errors import ConfigError
 
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "quickstart"
 
 
@@ -403,7 +407,7 @@ def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         chain = " -> ".join(p.stem for p in (*_seen, path.resolve()))
         raise ConfigError(f"recipe bases form a cycle: {chain}")
     try:
-        data = tomllib.loads(path.read_text())
+        data: dict[str, Any] = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     base = data.pop("base", None)

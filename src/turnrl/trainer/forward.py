@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from turnrl.backends.hf_cache import cache_kwargs, returned_cache
+
 MIN_SHARED_PREFIX = 8
 """Shortest common prefix worth computing once for the whole micro-batch."""
 
@@ -39,13 +41,13 @@ def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     head = model.base_model(
         input_ids=input_ids[:1, :shared], attention_mask=attention_mask[:1, :shared], use_cache=True
     )
-    cache = head.past_key_values
+    cache = returned_cache(head)
     cache.batch_repeat_interleave(rows)
     tail = model.base_model(
         input_ids=input_ids[:, shared:],
         attention_mask=attention_mask,
-        past_key_values=cache,
         use_cache=False,
+        **cache_kwargs(model.base_model, cache),
     ).last_hidden_state
     return torch.cat([head.last_hidden_state.expand(rows, -1, -1), tail], dim=1)
 
