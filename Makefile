@@ -82,8 +82,8 @@ lock:
 test-latest: setup-test
 	rm -rf $(LATEST_VENV) && python3 -m venv $(LATEST_VENV)
 	$(VENV)/bin/uv pip compile $(UV_COMPILE) --upgrade -o $(LATEST_VENV)/lock.txt
-	@echo "newer than $(LOCK):"; \
-	  diff $(LOCK) $(LATEST_VENV)/lock.txt | grep '^> [A-Za-z]' | sed 's/^> /  /' || echo "  nothing"
+	@newer=$$(diff $(LOCK) $(LATEST_VENV)/lock.txt | sed -n 's/^> \([A-Za-z]\)/  \1/p'); \
+	  echo "versions that differ from $(LOCK):"; echo "$${newer:-  none}"
 	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt pip
 	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt "$(TORCH_SPEC)"
 	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt -e ".[dev]"

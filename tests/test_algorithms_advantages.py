@@ -118,6 +118,16 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_first() -> None:
     torch.testing.assert_close(out, expected)
 
 
+def test_reinforce_pp_baseline_with_groups_of_one_uses_a_zero_baseline() -> None:
+    # Like GRPO's groups of one: no group mean to subtract, so the rewards go in as they are
+    # (the mean of one reward is the reward itself, which would zero every advantage).
+    rewards = t([[1.0], [0.0], [0.0]])
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    out = reinforce_pp_baseline_advantages(rewards, mask, eps=0.0)
+    torch.testing.assert_close(out, reinforce_pp_advantages(t([1.0, 0.0, 0.0]), mask, eps=0.0))
+    assert out.abs().sum() > 0
+
+
 def test_reinforce_pp_rejects_bad_layouts() -> None:
     with pytest.raises(ValueError, match="rewards must be"):
         reinforce_pp_advantages(t([[1.0]]), torch.ones(1, 2))

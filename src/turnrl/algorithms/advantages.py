@@ -209,8 +209,12 @@ def reinforce_pp_baseline_advantages(
     tokens, whitening over the batch (Hu 2025, arXiv:2501.03262; OpenRLHF's
     "reinforce_baseline"). The group mean removes the prompt's difficulty; the batch
     whitening then sets a common scale without GRPO's per-group std.
+
+    A group of one has no mean to subtract: its baseline is zero, as in ``grpo_advantages``
+    (so ``G = 1`` is plain REINFORCE++; the group mean would cancel every reward).
     """
-    centered = _centered_rewards(_as_groups(rewards))  # [P, G]
+    grouped = _as_groups(rewards)
+    centered = grouped.clone() if grouped.shape[1] == 1 else _centered_rewards(grouped)  # [P, G]
     if loss_mask.ndim != 2 or loss_mask.shape[0] != centered.numel():
         raise ValueError(
             f"loss_mask must be [P*G, T] with P*G = {centered.numel()}, got "

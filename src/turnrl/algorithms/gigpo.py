@@ -130,6 +130,11 @@ def gigpo_advantages(
     - A_step: ``step_group_advantages`` of the gamma-discounted step returns
       (``discounted_step_returns``), grouped by identical observation within the task.
 
+    The episode statistics (mean, std) count each trajectory once, as eq. 3 defines them.
+    This departs deliberately from verl-agent's default (its batch rows are steps, and
+    ``compute_mean_std_cross_steps`` takes the statistics over them): there a trajectory
+    enters its group's mean and std once per step, so longer trajectories weigh more.
+
     ``gamma`` = 0.95 and ``omega`` = 1 as in the paper. ``scale_by_std`` applies to both
     levels (False gives the mean-only normalisation). Masked steps get exactly 0.
     """

@@ -54,6 +54,10 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
     Computed as expm1(d) - d: exp(d) - 1 - d cancels catastrophically for small d and can
     come out negative (d = 1e-197 gives -1e-197). Exactly 0 where ``loss_mask`` is False;
     masking uses torch.where, so inf/NaN there cannot leak into the value or the gradient.
+
+    Not clamped, deliberately (verl clamps k3 to [-10, 10]): a clamp hides exactly the tokens
+    where the policy has run far from the reference, and zeroes their gradient; turnrl keeps
+    the estimator as defined and lets the KL metrics and alarms show a blow-up.
     """
     mask = loss_mask.bool()
     d = _log_ratio(logprobs, ref_logprobs, mask)

@@ -266,6 +266,10 @@ class MonitorConfig:
     norms are heavy-tailed: in a healthy quick-start run 1% of steps exceed 5x."""
     tool_calls_frac: float = 0.5
     """Tool calls per episode falling below this fraction of their best level (and by 0.1)."""
+    solved_success: float = 0.9
+    """Success rate (median of the last ``window`` steps) at which falling entropy, falling
+    in-group reward std and rising zero-variance groups count as convergence, not collapse:
+    those three alarms stay quiet. Above 1 turns that off."""
     mismatch_rise: float = 2.0
     """Sampler/learner log-prob mismatch rising above this multiple of its lowest level
     (plus 0.01 nats per token)."""
