@@ -12,10 +12,12 @@ sequences, not only of words the tokenizer has one token for. This measures, gre
 
     python benchmarks/copying.py                   # builds the four models below (~25 min)
     python benchmarks/copying.py --models DIR ...  # measures models already built
+    python benchmarks/copying.py --smoke           # one tiny model, 3 words (seconds)
 
 Each model is built like the ``search_qa`` recipe's (its corpus, 64 wide, 2 layers, seed 0)
-with ``echo_steps`` x ``echo_novel`` from ``CONFIGS``. Writes benchmarks/results/copying.json
-and .md.
+with ``echo_steps`` x ``echo_novel`` from ``CONFIGS``, into benchmarks/runs. Writes
+benchmarks/results/copying.json and .md (``--out``, ``--runs-dir``; ``--smoke``: a temporary
+directory).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from outputs import parse_args
 from training_runs import write_results
 from turnrl.envs import make_env_spec
 from turnrl.envs.search_qa import build_world
@@ -42,12 +45,14 @@ from turnrl.trainer.loop import tiny_model_config
 ROOT = Path(__file__).resolve().parent
 CONFIGS = [(2500, 0.0), (2500, 0.5), (6000, 0.5), (6000, 0.8)]  # (echo_steps, echo_novel)
 NUM_WORDS = 60
+SMOKE_MODEL = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2"]
 
 
-def build(out: Path, echo_steps: int, echo_novel: float) -> Path:
-    """The search_qa recipe's tiny model with the given echo tuning."""
+def build(out: Path, echo_steps: int, echo_novel: float, extra: list[str] | None = None) -> Path:
+    """The search_qa recipe's tiny model with the given echo tuning (and ``extra``
+    overrides)."""
     recipe = load_config("search_qa", [f"model.echo_steps={echo_steps}",
-                                       f"model.echo_novel={echo_novel}"])  # fmt: skip
+                                       f"model.echo_novel={echo_novel}", *(extra or [])])  # fmt: skip
     spec = make_env_spec(recipe.env.name, **recipe.env.options)
     return build_tiny_model(
         out, tiny_model_config(recipe), extra_corpus=spec.corpus(), overwrite=True
@@ -80,13 +85,13 @@ def unseen_names(count: int) -> list[str]:
     return names[:count]
 
 
-def measure(path: Path) -> dict[str, Any]:
+def measure(path: Path, num_words: int) -> dict[str, Any]:
     info = json.loads((path / "turnrl_model.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     rng = random.Random("copying-benchmark")
-    made_up = [made_up_word(rng) for _ in range(NUM_WORDS)]
-    names = unseen_names(NUM_WORDS)
+    made_up = [made_up_word(rng) for _ in range(num_words)]
+    names = unseen_names(num_words)
     pieces = sum(len(tokenizer.encode(n, add_special_tokens=False)) for n in names) / len(names)
     return {
         "model": str(path),
@@ -105,21 +110,26 @@ def measure(path: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", type=Path, help="measure these model dirs")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "copying")
-    args = parser.parse_args()
+    parser.add_argument("--words", type=int, default=NUM_WORDS, help="words per measure")
+    args = parse_args(parser, "copying", {"words": 3}, runs=True)
+    configs, extra = ([(4, 0.5)], SMOKE_MODEL) if args.smoke else (CONFIGS, [])
     paths = args.models
     if not paths:
-        paths = [build(ROOT / "runs" / f"copying-echo{s}-novel{n}", s, n) for s, n in CONFIGS]
-    results = sorted((measure(p) for p in paths), key=lambda r: (r["echo_steps"], r["echo_novel"]))
+        paths = [
+            build(args.runs_dir / f"copying-echo{s}-novel{n}", s, n, extra) for s, n in configs
+        ]
+    results = sorted(
+        (measure(p, args.words) for p in paths), key=lambda r: (r["echo_steps"], r["echo_novel"])
+    )
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, torch {torch.__version__}",
-        "num_words": NUM_WORDS,
+        "num_words": args.words,
     }
     lines = [
         f"# In-context copying of the tiny model ({meta['date']}, {meta['machine']})",
         "",
-        f"Greedy exact repeats of {NUM_WORDS} words each; search_qa-style names average "
+        f"Greedy exact repeats of {args.words} words each; search_qa-style names average "
         f"{results[0]['tokens_per_name']} tokens.",
         "",
         "| echo steps | made-up share | echo loss (last) | made-up words | names | "

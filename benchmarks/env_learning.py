@@ -5,11 +5,13 @@ wall-clock budget, and the held-out success curve says how far above its start i
     python benchmarks/env_learning.py          # search_qa, frozen_lake, 3x3 frozen_lake, bandit
     python benchmarks/env_learning.py --runs bandit --minutes 5 --jobs 1
     python benchmarks/env_learning.py --runs frozen_lake,env.size=5,env.max_moves=12 ...
+    python benchmarks/env_learning.py --smoke  # the same runs, 2 steps of a tiny model each
 
 A run is ``RECIPE[,KEY=VALUE...]``: the recipe as shipped (recipes/RECIPE.toml) with those
 overrides, which the results record. Writes benchmarks/results/env_learning.json and .md;
 runs already there that this invocation did not make are kept (each records its own date
-and machine), so one recipe can be re-run alone.
+and machine), so one recipe can be re-run alone. Run directories go to benchmarks/runs
+(``--out``, ``--runs-dir``; ``--smoke``: a temporary directory).
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from typing import Any
 
 import torch
 
-from training_runs import curve_lines, eval_curve, run_side_by_side, threads_per_job, write_results
+from outputs import parse_args
+from training_runs import (
+    TINY_RUN,
+    curve_lines,
+    eval_curve,
+    run_side_by_side,
+    threads_per_job,
+    write_results,
+)
 from turnrl.envs import make_env_spec
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
@@ -37,6 +47,7 @@ RUNS = [
     "frozen_lake,env.size=3,env.max_moves=6,env.max_turns=6,rollout.max_turns=6",
     "bandit",
 ]
+SMOKE_RUNS = [",".join([run, *TINY_RUN]) for run in RUNS]
 
 
 def run_recipe(
@@ -99,18 +110,19 @@ def main() -> None:
         default=None,
         help="torch threads per recipe (default: the cores shared by the jobs)",
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "env_learning")
-    args = parser.parse_args()
+    args = parse_args(parser, "env_learning", {"runs": SMOKE_RUNS, "minutes": 0.5}, runs=True)
     for run in args.runs:  # fail before any training on a bad recipe or override
         name, *overrides = run.split(",")
         load_config(name, overrides)
     threads = threads_per_job(args.jobs) if args.threads is None else args.threads
     machine = (f"{platform.machine()}, {multiprocessing.cpu_count()} cores, {args.jobs} "
                f"recipes at a time with {threads or 'default'} torch thread(s) each")  # fmt: skip
-    runs = ROOT / "runs"
     results = run_side_by_side(
         run_recipe,
-        [(n, run, args.minutes, runs, threads, machine) for n, run in enumerate(args.runs)],
+        [
+            (n, run, args.minutes, args.runs_dir, threads, machine)
+            for n, run in enumerate(args.runs)
+        ],
         args.jobs,
         lambda r: print(table([r]), flush=True),
     )

@@ -9,8 +9,9 @@ can reach 99% there, so it is held to its exact expected success instead.
 
     python benchmarks/envs.py                  # 200 tasks per environment
     python benchmarks/envs.py --tasks 50
+    python benchmarks/envs.py --smoke          # 2 tasks per environment
 
-Writes benchmarks/results/envs.json and .md.
+Writes benchmarks/results/envs.json and .md (``--out``; ``--smoke``: a temporary directory).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from outputs import parse_args
 from turnrl.envs import make_env_spec
 from turnrl.envs.policy import Episode, HasOracle, play, replay
 
@@ -48,6 +50,9 @@ MAX_STEPS = 64
 TASK_CAP = {"swe": 40}
 """Environments whose episodes take seconds (swe runs a real test suite twice per episode)
 are measured on fewer tasks."""
+SMOKE_OPTIONS: dict[str, dict[str, Any]] = {"swe": {"libraries": ("toolz",), "num_bugs": 3}}
+"""With ``--smoke``: swe finds 3 bugs in one library (its 3 x 40 take minutes on a new
+machine; they are found once and cached)."""
 
 
 async def episodes(
@@ -134,18 +139,19 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200, help="test tasks per environment")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "envs")
     parser.add_argument(
         "--only", nargs="+", default=None,
         help="measure these environments and keep the other rows of an existing result",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parse_args(parser, "envs", {"tasks": 2})
     kept: dict[str, dict[str, Any]] = {}
     if args.only and args.out.with_suffix(".json").is_file():
         for row in json.loads(args.out.with_suffix(".json").read_text())["rows"]:
             kept[label(row)] = row
     rows = []
     for name, options in CONFIGS:
+        if args.smoke:
+            options = {**options, **SMOKE_OPTIONS.get(name, {})}
         if args.only and name not in args.only:
             key = label({"env": name, "options": options})
             if key in kept:

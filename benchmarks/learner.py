@@ -13,8 +13,10 @@ the layouts take turns) on the tiny model and on a wider one (hidden 256, 4 laye
 float32 on CPU.
 
     python benchmarks/learner.py
+    python benchmarks/learner.py --smoke       # the tiny model only, one timed step each
 
-Writes benchmarks/results/learner.json and .md.
+Writes benchmarks/results/learner.json and .md (``--out``; ``--smoke``: a temporary
+directory).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from outputs import parse_args
 from turnrl.trainer import forward
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.trainer.learner import Learner
@@ -39,6 +42,7 @@ from turnrl.types import Sample
 
 ROOT = Path(__file__).resolve().parent
 VOCAB = 1024
+MODELS = [("tiny (64 x 2)", 64, 2), ("wider (256 x 4)", 256, 4)]
 
 
 def batch(kind: str, seed: int = 0) -> list[Sample]:
@@ -97,12 +101,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "learner")
-    args = parser.parse_args()
+    args = parse_args(parser, "learner", {"repeats": 1, "threads": 1})
     torch.set_num_threads(args.threads)
     layouts = ["padded", "padded + shared prefix", "packed", "auto"]
     rows = []
-    for name, hidden, layers in (("tiny (64 x 2)", 64, 2), ("wider (256 x 4)", 256, 4)):
+    for name, hidden, layers in MODELS[:1] if args.smoke else MODELS:
         net = model(hidden, layers)
         for kind in ("agent", "varied"):
             samples = batch(kind)

@@ -11,8 +11,11 @@ batch, and the lookup tool removed. Chance is 1 / num_values.
     python benchmarks/learning_proof.py --jobs 2        # two runs side by side, 1 thread each
     python benchmarks/learning_proof.py --seeds --eval-tasks 512   # the controls, 512 tasks
     python benchmarks/learning_proof.py --seeds --controls no-tools --eval-tasks 512
+    python benchmarks/learning_proof.py --smoke   # seed 0 + controls, 2 steps of a tiny model
 
-Writes benchmarks/results/learning_proof.json and .md (a table and the curves).
+Writes benchmarks/results/learning_proof.json and .md (a table and the curves); run
+directories go to benchmarks/runs (``--out``, ``--runs-dir``; ``--smoke``: a temporary
+directory).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from typing import Any
 
 import torch
 
+from outputs import parse_args
 from training_runs import (
+    TINY_RUN,
     curve_lines,
     eval_curve,
     first_reaching,
@@ -117,17 +122,20 @@ def main() -> None:
         "--jobs", type=int, default=1,
         help="runs side by side, each with cpu_count / jobs torch threads",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "learning_proof")
-    args = parser.parse_args()
-    runs = ROOT / "runs"
+    smoke = {"seeds": [0], "minutes": 0.5, "jobs": 2}
+    args = parse_args(parser, "learning_proof", smoke, runs=True)
     plan = [(f"seed{seed}", [f"seed={seed}"]) for seed in args.seeds]
     if not args.no_controls:
         plan += [(f"control-{name}", CONTROLS[name]) for name in args.controls]
     evals = [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks else []
+    tiny = TINY_RUN if args.smoke else []
     threads = threads_per_job(args.jobs)
     results = run_side_by_side(
         run_one,
-        [(label, [*overrides, *evals], args.minutes, runs, threads) for label, overrides in plan],
+        [
+            (label, [*tiny, *overrides, *evals], args.minutes, args.runs_dir, threads)
+            for label, overrides in plan
+        ],
         args.jobs,
         lambda r: print(table([r]), flush=True),
     )

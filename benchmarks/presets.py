@@ -15,12 +15,14 @@ of them thanks to the KL their recipes add). The start model is the same for eve
     python benchmarks/presets.py --presets grpo gigpo --minutes 3 --jobs 1
     python benchmarks/presets.py --echo-steps 2500   # the learning proof's base model
     python benchmarks/presets.py --presets dapo --set algorithm.kl_coef=0 --merge
+    python benchmarks/presets.py --smoke       # grpo and ppo, 2 steps from a tiny model
 
 ``--set KEY=VALUE`` changes every listed preset (an ablation: the row is labelled with it);
 ``--merge`` keeps the rows already in the results file that this run does not re-measure, so
 a table can grow preset by preset (each row records its own date and machine sharing).
 
-Writes benchmarks/results/presets.json and .md.
+Writes benchmarks/results/presets.json and .md; the warm-up checkpoint and run directories go
+to benchmarks/runs (``--out``, ``--runs-dir``; ``--smoke``: a temporary directory).
 """
 
 from __future__ import annotations
@@ -31,12 +33,21 @@ import multiprocessing
 import platform
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from training_runs import curve_lines, eval_curve, first_reaching, run_side_by_side, write_results
+from outputs import parse_args
+from training_runs import (
+    TINY_RUN,
+    curve_lines,
+    eval_curve,
+    first_reaching,
+    run_side_by_side,
+    write_results,
+)
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
@@ -48,13 +59,14 @@ PROBE = [  # the learning proof's probe and evaluation, whatever the preset's ba
 ]  # fmt: skip
 
 
-def warmup_checkpoint(runs: Path, seed: int, echo_steps: int) -> Path:
-    """Build the tiny model and run the warm-up once; return the policy RL starts from."""
+def warmup_checkpoint(runs: Path, seed: int, echo_steps: int, extra: Sequence[str] = ()) -> Path:
+    """Build the tiny model and run the warm-up once (``extra``: overrides of the
+    ``learning_proof`` recipe put first); return the policy RL starts from."""
     run_dir = runs / f"warmup-seed{seed}-echo{echo_steps}"
     start = run_dir / "start_model"
     if not (start / "config.json").is_file():
         shutil.rmtree(run_dir, ignore_errors=True)
-        overrides = [f"seed={seed}", "steps=0", f"model.echo_steps={echo_steps}"]
+        overrides = [*extra, f"seed={seed}", "steps=0", f"model.echo_steps={echo_steps}"]
         train(load_config("learning_proof", overrides), run_dir, progress=False)
     return start
 
@@ -67,9 +79,12 @@ def run_preset(
     runs: Path,
     threads: int,
     extra: tuple[str, ...] = (),
+    unlabelled: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """``extra``: overrides the row is labelled with (an ablation); ``unlabelled``: more
+    overrides, put before them (--smoke's tiny run)."""
     overrides = [
-        *PROBE, f"seed={seed}", f"model.path={start}", "warmup.steps=0",
+        *PROBE, *unlabelled, f"seed={seed}", f"model.path={start}", "warmup.steps=0",
         f"max_minutes={minutes}", f"threads={threads}", *extra,
     ]  # fmt: skip
     config = load_config(name, overrides)
@@ -156,8 +171,8 @@ def main() -> None:
     parser.add_argument(
         "--render", action="store_true", help="only rewrite the .md from the .json, no training"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "presets")
-    args = parser.parse_args()
+    smoke = {"presets": ["grpo", "ppo"], "minutes": 0.5, "echo_steps": 2}
+    args = parse_args(parser, "presets", smoke, runs=True)
     if args.render:  # e.g. after noting by hand what else ran on the machine beside a row
         old = json.loads(args.out.with_suffix(".json").read_text())
         save(args.out, {k: v for k, v in old.items() if k != "runs"}, merged([], old["runs"]))
@@ -169,15 +184,18 @@ def main() -> None:
         "echo_steps": args.echo_steps,
     }
     earlier_rows(args, meta)  # a results file that cannot be merged fails now, not in hours
-    runs = ROOT / "runs"
-    start = warmup_checkpoint(runs, args.seed, args.echo_steps)
+    tiny = tuple(TINY_RUN) if args.smoke else ()
+    start = warmup_checkpoint(args.runs_dir, args.seed, args.echo_steps, tiny)
     threads = args.threads or max(1, multiprocessing.cpu_count() // args.jobs)
     extra = tuple(args.overrides)
     machine = (
         f"{platform.machine()}, {multiprocessing.cpu_count()} cores, "
         f"{args.jobs} preset(s) at a time in this run, {threads} torch thread(s) each"
     )
-    calls = [(name, start, args.seed, args.minutes, runs, threads, extra) for name in args.presets]
+    calls = [
+        (name, start, args.seed, args.minutes, args.runs_dir, threads, extra, tiny)
+        for name in args.presets
+    ]
     done: list[dict[str, Any]] = []
 
     def finished(row: dict[str, Any]) -> None:  # saved as each preset ends: nothing is lost

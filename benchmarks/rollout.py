@@ -13,8 +13,10 @@ The latency target of the speed issue: with a 500 ms tool, 64 episodes that each
 
     python benchmarks/rollout.py
     python benchmarks/rollout.py --quick          # fewer cells
+    python benchmarks/rollout.py --smoke          # 1 and 4 episodes, 0 and 500 ms, one batch
 
-Writes benchmarks/results/rollout.json and .md.
+Writes benchmarks/results/rollout.json and .md; the random models are built once into
+benchmarks/runs/rollout (``--out``, ``--runs-dir``; ``--smoke``: a temporary directory).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from outputs import parse_args
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
 from turnrl.rollout.chat import ChatRenderer
@@ -136,10 +139,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stop-every", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "rollout")
-    args = parser.parse_args()
+    smoke = {"repeats": 1, "stop_every": 4, "threads": 1}
+    args = parse_args(parser, "rollout", smoke, runs=True)
     torch.set_num_threads(args.threads)
-    model_dir = args.model or random_model(ROOT / "runs" / "rollout")
+    model_dir = args.model or random_model(args.runs_dir / "rollout")
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     renderer = ChatRenderer(tokenizer)
     # A turn ends when the random model samples its end-of-turn token, which a bias on the
@@ -149,15 +152,18 @@ def main() -> None:
     stops = stop_token_ids(tokenizer)
     concurrency = [1, 8, 64] if args.quick else [1, 4, 16, 64]
     latencies = [0.0, 0.05, 0.5]
+    if args.smoke:
+        concurrency, latencies = [1, 4], [0.0, 0.5]
+    top = concurrency[-1]  # the batch of the latency target, the jitter and long-prompt cells
     plan = [(c, k, lat, False, "") for c in concurrency for k in (1, 3) for lat in latencies]
-    plan += [(64, 3, 0.5, True, "")]
+    plan += [(top, 3, 0.5, True, "")]
     # A long shared instruction (~550 tokens): what re-encoding the history costs.
     long = "Read the rules below before you start. " + "Each call returns a short note. " * 40
-    plan += [(64, 3, 0.0, False, long)]
+    plan += [(top, 3, 0.0, False, long)]
     results = []
     for name, reuse in (("reuse", True), ("no_reuse", False)):
         backend = TorchBackend(model, tokenizer, reuse_history=reuse)
-        cells = plan if reuse else [p for p in plan if p[0] == 64 and p[2] == 0.0]
+        cells = plan if reuse else [p for p in plan if p[0] == top and p[2] == 0.0]
         turn = 4 * args.stop_every
         # warm-up
         cell(backend, renderer, stops, episodes=8, calls=1, latency=0.0, jitter=False,
@@ -178,13 +184,13 @@ def main() -> None:
                   f"{best['sampled_tokens_per_s']:.0f} tok/s", flush=True)  # fmt: skip
     # History reuse on a wider model (hidden 256, 4 layers), where recomputing a long
     # history costs more than copying its cache: the same long-prompt cell.
-    wide_dir = random_model(ROOT / "runs" / "rollout", wide=True)
+    wide_dir = random_model(args.runs_dir / "rollout", wide=True)
     wide, wide_tok = load_model(wide_dir), load_tokenizer(wide_dir)
     end_of_turn_bias(wide, wide_tok, args.stop_every)
     for name, reuse in (("reuse", True), ("no_reuse", False)):
         backend = TorchBackend(wide, wide_tok, reuse_history=reuse)
         runs = [
-            cell(backend, ChatRenderer(wide_tok), stops, episodes=64, calls=3, latency=0.0,
+            cell(backend, ChatRenderer(wide_tok), stops, episodes=top, calls=3, latency=0.0,
                  jitter=False, tokens_per_turn=4 * args.stop_every, seed=r, preamble=long)
             for r in range(args.repeats)
         ]  # fmt: skip
@@ -239,10 +245,11 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         "repeats": args.repeats,
     }
     target = {}
+    top = max(r["episodes"] for r in results)  # 64, but with --smoke
     instant = _find(
-        results, episodes=64, calls=3, latency_s=0.0, history_reuse=True, context="short"
+        results, episodes=top, calls=3, latency_s=0.0, history_reuse=True, context="short"
     )
-    slow = _find(results, episodes=64, calls=3, latency_s=0.5, jitter=False, history_reuse=True)
+    slow = _find(results, episodes=top, calls=3, latency_s=0.5, jitter=False, history_reuse=True)
     if instant and slow:
         bound = 1.3 * (instant["wall_s"] + 3 * 0.5)
         target = {
@@ -284,7 +291,7 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     if target:
         lines += [
             "",
-            f"Latency target (64 episodes x 3 calls of a 500 ms tool): {target['tool_500ms_s']:.2f} s "
+            f"Latency target ({top} episodes x 3 calls of a 500 ms tool): {target['tool_500ms_s']:.2f} s "
             f"against a bound of 1.3 x ({target['instant_s']:.2f} s + 1.5 s) = "
             f"{target['bound_s']:.2f} s: **{'met' if target['met'] else 'missed'}** "
             f"({target['ratio_to_ideal']:.2f}x the ideal).",

@@ -14,8 +14,9 @@ HTTP: connect + list tools, call latency, calls/s with 16 concurrent callers on 
 
     python benchmarks/tools.py                 # everything (~2 minutes)
     python benchmarks/tools.py --quick         # fewer repetitions
+    python benchmarks/tools.py --smoke         # 2 repetitions, 2 calls, 500 documents
 
-Writes benchmarks/results/tools.json and .md.
+Writes benchmarks/results/tools.json and .md (``--out``; ``--smoke``: a temporary directory).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from outputs import parse_args
 from turnrl.tools import McpServer, PythonInterpreter, Sandbox, SandboxUnavailableError
 from turnrl.tools.search import SearchIndex
 
@@ -320,11 +322,14 @@ def markdown(meta: dict[str, Any], sandbox: list[dict[str, Any]], search: list[d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "tools")
-    args = parser.parse_args()
+    args = parse_args(parser, "tools", {})
     reps = 4 if args.quick else 12
     concurrency = [1, 4, 16]
     calls = 5 if args.quick else 20
+    sizes = [1_000, 10_000] if args.quick else [1_000, 10_000, 50_000]
+    queries = 500 if args.quick else 2000
+    if args.smoke:
+        reps, concurrency, calls, sizes, queries = 2, [1, 2], 2, [500], 20
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
@@ -333,9 +338,7 @@ def main() -> None:
         "calls_per_episode": calls,
     }
     sandbox = asyncio.run(bench_sandbox(reps, concurrency, calls))
-    search = bench_search(
-        [1_000, 10_000] if args.quick else [1_000, 10_000, 50_000], 500 if args.quick else 2000
-    )
+    search = bench_search(sizes, queries)
     mcp = bench_mcp(reps, calls)
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)

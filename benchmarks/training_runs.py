@@ -1,5 +1,6 @@
 """What the training benchmarks share: running trainings side by side in worker
-processes, reading a run's held-out success curve, and writing JSON + markdown results."""
+processes, reading a run's held-out success curve, writing JSON + markdown results, and
+the overrides that make a training run of seconds (their ``--smoke`` mode)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+TINY_RUN = [  # --smoke: a 32-wide 1-layer model, 2 steps of 2 x 2 episodes, 4 eval tasks
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.vocab_size=512",
+    "model.echo_steps=2", "warmup.steps=2", "warmup.batch_size=4",
+    "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens_per_turn=24",
+    "steps=2", "eval.every=1", "eval.num_tasks=4",
+]  # fmt: skip
 
 Curve = list[tuple[int, float, float]]
 """(step, seconds of RL so far, held-out success) at every evaluation."""

@@ -19,8 +19,11 @@ sequences, measured here with plain transformers in the same run.
 
     python benchmarks/vs_trl.py                      # both cases, 3 repeats
     python benchmarks/vs_trl.py --cases multi --repeats 1 --steps 3
+    python benchmarks/vs_trl.py --smoke     # both cases and sides, 1 + 1 steps of 2 x 2, tiny
 
-Writes benchmarks/results/vs_trl.json and .md.
+Writes benchmarks/results/vs_trl.json and .md; checkpoints and run directories go to
+benchmarks/runs/vs_trl (``--out``, ``--runs-dir``; ``--smoke``: a temporary directory; TRL's
+virtualenv is made in benchmarks/.venv-trl all the same, the TRL side being what it checks).
 """
 
 from __future__ import annotations
@@ -34,10 +37,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from outputs import parse_args
+from training_runs import TINY_RUN
 
 ROOT = Path(__file__).resolve().parent
 TRL_VENV = ROOT / ".venv-trl"
@@ -49,23 +56,38 @@ ENV_OPTIONS = {"num_keys": 2, "key_pool": 2, "num_values": 12}
 
 
 def ensure_trl_venv() -> Path:
-    """TRL's virtualenv with the same torch and transformers as this one."""
+    """TRL's virtualenv with the same torch and transformers as this one, and every other
+    package this environment has at this environment's version (pip constraints: in
+    turnrl's own .venv, the versions of requirements/lock.txt; from `make test-latest`'s,
+    the newest, which the lock would contradict)."""
+    from importlib import metadata
+
     import transformers
 
     python = TRL_VENV / "bin" / "python"
     stamp = TRL_VENV / ".installed"
+    # torch pinned without its local tag (+cpu): pip takes the wheel this one came from, not
+    # the latest CUDA build that a plain "torch" would download
     want = f"torch=={torch.__version__.split('+')[0]} transformers=={transformers.__version__} trl=={TRL_VERSION}"
     if stamp.is_file() and stamp.read_text() == want:
         return python
     print(f"setting up {TRL_VENV}: {want}", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *want.split()], check=True)
+    pins = {d.metadata["Name"].lower(): d.version.split("+")[0] for d in metadata.distributions()}
+    pins.pop("turnrl", None)
+    constraints = TRL_VENV / "constraints.txt"
+    constraints.write_text("".join(f"{name}=={v}\n" for name, v in sorted(pins.items())))
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints), *want.split()],
+        check=True,
+    )
     stamp.write_text(want)
     return python
 
 
-def checkpoints(work: Path) -> dict[str, Path]:
-    """The random tiny model (single) and the learning proof's warm-up checkpoint (multi)."""
+def checkpoints(work: Path, extra: Sequence[str] = ()) -> dict[str, Path]:
+    """The random tiny model (single) and the learning proof's warm-up checkpoint (multi:
+    its recipe's echo tuning and warm-up); ``extra``: overrides of both (--smoke's tiny run)."""
     from presets import warmup_checkpoint
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
@@ -74,9 +96,10 @@ def checkpoints(work: Path) -> dict[str, Path]:
     start = random_dir / "start_model"
     if not (start / "config.json").is_file():
         shutil.rmtree(random_dir, ignore_errors=True)
-        overrides = ["steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
+        overrides = [*extra, "steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
         train(load_config("learning_proof", overrides), random_dir, progress=False)
-    return {"single": start, "multi": warmup_checkpoint(work, 0)}
+    echo_steps = load_config("learning_proof", list(extra)).model.echo_steps
+    return {"single": start, "multi": warmup_checkpoint(work, 0, echo_steps, extra)}
 
 
 def write_tasks(path: Path, count: int) -> None:
@@ -175,6 +198,8 @@ def floor_time(model_dir: Path, batch: int, shape: dict[str, Any], threads: int)
     final sequences (a plain LM loss over all positions). Median of 3."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from turnrl.backends.hf_cache import cache_kwargs  # past_key_values / cache (5.24)
+
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
@@ -190,11 +215,11 @@ def floor_time(model_dir: Path, batch: int, shape: dict[str, Any], threads: int)
             for t, n in enumerate(turns):
                 if t > 0:
                     ids = torch.randint(0, vocab, (batch, shape["observation"]))
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
                 for _ in range(n):
                     probs = torch.softmax(out.logits[:, -1].float(), -1)
                     tok = torch.multinomial(probs, 1)
-                    out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+                    out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
         model.train()
         seqs = torch.randint(0, vocab, (batch, total))
         loss = model(input_ids=seqs, labels=seqs).loss
@@ -253,13 +278,16 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--single-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "vs_trl")
-    args = parser.parse_args()
+    smoke = {
+        "repeats": 1, "steps": 1, "warmup_steps": 1, "prompts": 2, "group_size": 2,
+        "single_tokens": 8, "threads": 1,
+    }  # fmt: skip
+    args = parse_args(parser, "vs_trl", smoke, runs=True)
 
-    work = ROOT / "runs" / "vs_trl"
+    work = args.runs_dir / "vs_trl"
     work.mkdir(parents=True, exist_ok=True)
     trl_python = str(ensure_trl_venv())
-    models = checkpoints(work)
+    models = checkpoints(work, TINY_RUN if args.smoke else ())
     write_tasks(work / "tasks.jsonl", args.prompts * (args.steps + args.warmup_steps) + 64)
     results: dict[str, Any] = {}
     for case in args.cases:

@@ -1,0 +1,224 @@
+"""Every benchmark script runs end to end in its ``--smoke`` mode (the real code path on
+tiny settings, in a subprocess) and writes what a real run writes: the results JSON with
+the rows, keys and cases expected and every number finite, and the markdown table; and
+nothing lands in benchmarks/results or benchmarks/runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from turnrl.envs.swe import runner as swe_runner
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+Check = Callable[[dict[str, Any], Path], None]
+
+
+def scripts() -> list[str]:
+    """The runnable scripts of benchmarks/ (the other modules are what they share)."""
+    return sorted(
+        p.stem for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
+    )
+
+
+def finite_numbers(value: Any, where: str = "") -> list[str]:
+    """The places in a JSON value holding a number that is not finite."""
+    if isinstance(value, dict):
+        return [bad for k, v in value.items() for bad in finite_numbers(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [bad for i, v in enumerate(value) for bad in finite_numbers(v, f"{where}[{i}]")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [where]
+    return []
+
+
+def files_under(*folders: Path) -> dict[Path, int]:
+    """Every file below ``folders`` with its modification time."""
+    return {p: p.stat().st_mtime_ns for f in folders for p in f.rglob("*") if p.is_file()}
+
+
+def curve_ok(curve: list[list[float]], steps: int) -> None:
+    assert curve, "no evaluation"
+    assert [s for s, _, _ in curve][-1] == steps
+    assert all(0.0 <= v <= 1.0 for _, _, v in curve)
+
+
+# --------------------------------------------------------------------------- per script
+
+
+def copying(data: dict[str, Any], tmp: Path) -> None:
+    assert data["num_words"] == 3
+    (row,) = data["runs"]
+    assert (row["echo_steps"], row["echo_novel"]) == (4, 0.5)
+    assert Path(row["model"]).is_relative_to(tmp)
+    assert row["echo_loss_last"] > 0
+    for key in ("made_up", "names", "names_in_sentence"):
+        assert row[key] in (0.0, 1 / 3, 2 / 3, 1.0), key
+    assert row["tokens_per_name"] >= 1
+
+
+def env_learning(data: dict[str, Any], tmp: Path) -> None:
+    rows = data["runs"]
+    assert [r["recipe"] for r in rows] == ["search_qa", "frozen_lake", "frozen_lake", "bandit"]
+    for number, r in enumerate(rows):
+        assert "steps=2" in r["overrides"]
+        assert r["steps"] == 2
+        curve_ok(r["curve"], 2)
+        assert r["best_success"] == max(v for _, _, v in r["curve"])
+        assert (tmp / "runs" / f"env-{number}-{r['recipe']}").is_dir()
+    assert rows[3]["chance"] == 0.5  # the bandit's two arms
+
+
+def envs(data: dict[str, Any], tmp: Path) -> None:
+    rows = data["rows"]
+    assert [r["env"] for r in rows] == [
+        "sokoban", "sokoban", "frozen_lake", "frozen_lake", "bandit", "secret_lookup",
+        "search_qa", "search_qa", "search_qa", "shop", "service", "tool_math", "swe",
+    ]  # fmt: skip
+    for r in rows:
+        assert r["tasks"] == 2
+        assert r["oracle_ok"], r
+        assert r["random_low"], r
+        assert r["random_episodes_per_s"] > 0
+        assert r["oracle_episodes_per_s"] is None or r["oracle_episodes_per_s"] > 0
+    assert rows[-1]["options"] == {"libraries": ["toolz"], "num_bugs": 3}
+
+
+def learner(data: dict[str, Any], tmp: Path) -> None:
+    rows = data["rows"]
+    assert [(r["model"], r["batch"]) for r in rows] == [
+        ("tiny (64 x 2)", "agent"), ("tiny (64 x 2)", "varied"),
+    ]  # fmt: skip
+    for r in rows:
+        assert set(r["step_s"]) == {"padded", "padded + shared prefix", "packed", "auto"}
+        assert all(s > 0 for s in r["step_s"].values())
+        assert r["tokens"] <= r["packed_cells"] <= r["padded_cells"]
+
+
+def learning_proof(data: dict[str, Any], tmp: Path) -> None:
+    rows = data["runs"]
+    assert [r["label"] for r in rows] == ["seed0", "control-no-tools", "control-shuffled-rewards"]
+    for r in rows:
+        assert r["chance"] == pytest.approx(1 / 12)
+        assert r["steps"] == 2
+        curve_ok(r["curve"], 2)
+        assert Path(r["run_dir"]).is_relative_to(tmp)
+        assert (Path(r["run_dir"]) / "trajectories.jsonl").is_file()
+
+
+def presets(data: dict[str, Any], tmp: Path) -> None:
+    assert data["echo_steps"] == 2
+    rows = data["runs"]
+    assert [r["preset"] for r in rows] == ["grpo", "ppo"]
+    for r in rows:
+        assert r["variant"] == ""
+        assert r["steps"] == 2
+        curve_ok(r["curve"], 2)
+    assert (tmp / "runs" / "warmup-seed0-echo2" / "start_model" / "config.json").is_file()
+
+
+def rollout(data: dict[str, Any], tmp: Path) -> None:
+    cells = data["cells"]
+    # 2 batch sizes x 1 or 3 calls x 0 or 500 ms, the jitter and long-prompt cells; without
+    # history reuse, the 3 instant cells of 4 episodes; the wider model with and without
+    assert len(cells) == 10 + 3 + 2
+    assert sorted({c["episodes"] for c in cells}) == [1, 4]
+    for c in cells:
+        assert c["wall_s"] > 0
+        assert c["sampled_tokens"] > 0
+        assert c["template_breaks"] == 0  # each turn ends as the chat template expects
+        # every later turn reuses the cached history, exactly when reuse is on
+        assert c["history_hits"] == (c["later_turns"] if c["history_reuse"] else 0), c
+    target = data["latency_target"]
+    assert target["bound_s"] == pytest.approx(1.3 * (target["instant_s"] + 1.5))
+    assert target["tool_500ms_s"] >= 1.5  # three 500 ms calls, one after another
+
+
+def tools(data: dict[str, Any], tmp: Path) -> None:
+    modes = [r["mode"] for r in data["sandbox"]]
+    assert modes == ["bwrap", "rlimit", "bare subprocess (peer, no isolation)"]
+    for r in data["sandbox"]:
+        if "unavailable" not in r:
+            assert r["cold"]["median_ms"] > 0
+            assert set(r["calls_per_s"]) == {"1", "2"}
+    assert data["sandbox"][1].get("unavailable") is None  # rlimits work everywhere
+    (search,) = data["search"]
+    assert search["documents"] == 500
+    assert search["queries_per_s_tool"] > 0
+    assert [r["transport"] for r in data["mcp"]] == ["stdio", "streamable HTTP"]
+    assert all(r["calls_per_s_16"] > 0 for r in data["mcp"])
+
+
+def vs_trl(data: dict[str, Any], tmp: Path) -> None:
+    assert set(data["cases"]) == {"single", "multi"}
+    for name, case in data["cases"].items():
+        assert case["floor_s"] > 0
+        for side in ("trl", "turnrl"):
+            s = case[side]
+            assert s["steps_timed"] == 1, (name, side)
+            assert s["step_s"] > 0
+            assert s["generated_tokens_per_s"] > 0
+            assert s["completion_tokens_mean"] > 0
+        assert case["ratio_step_turnrl_over_trl"] == pytest.approx(
+            case["turnrl"]["step_s"] / case["trl"]["step_s"]
+        )
+    assert data["cases"]["single"]["turnrl"]["tool_calls_mean"] == 0
+    assert (tmp / "runs" / "vs_trl" / "warmup-seed0-echo2" / "start_model").is_dir()
+
+
+CHECKS: dict[str, Check] = {
+    "copying": copying,
+    "env_learning": env_learning,
+    "envs": envs,
+    "learner": learner,
+    "learning_proof": learning_proof,
+    "presets": presets,
+    "rollout": rollout,
+    "tools": tools,
+    "vs_trl": vs_trl,
+}
+RUN_BY = {"vs_trl_trl_side": "vs_trl"}
+"""Scripts another one runs (TRL's side, in TRL's virtualenv), checked by its smoke test."""
+TIMEOUT_S = {"vs_trl": 600}
+"""vs_trl makes TRL's virtualenv on first use (about a minute); the others take seconds."""
+
+
+def test_every_benchmark_script_has_a_smoke_test() -> None:
+    assert scripts() == sorted([*CHECKS, *RUN_BY])
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_smoke_run_writes_its_results(name: str, tmp_path: Path) -> None:
+    if name == "envs" and not has_test_python():
+        pytest.skip(f"{swe_runner.TEST_PYTHON} has no pytest (apt-get install python3-pytest)")
+    before = files_under(BENCHMARKS / "results", BENCHMARKS / "runs")
+    out = tmp_path / name
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S.get(name, 300),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"--smoke: writing to {tmp_path}" in proc.stdout
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert finite_numbers(data) == []
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("# ")
+    assert re.search(r"^\|---", table, re.MULTILINE), "no table"
+    CHECKS[name](data, tmp_path)
+    assert files_under(BENCHMARKS / "results", BENCHMARKS / "runs") == before
+
+
+def has_test_python() -> bool:
+    """The swe environment runs library tests with pytest under this interpreter."""
+    command = f"{swe_runner.TEST_PYTHON} -c 'import pytest' 2>/dev/null"
+    return os.system(command) == 0 or bool(os.environ.get("CI"))
