@@ -18,6 +18,7 @@ import pytest
 
 from turnrl.errors import ConfigError
 from turnrl.evaluation import EvalConfig, evaluate, summarize
+from turnrl.evaluation.runner import summary_lines
 
 ENV = {"num_keys": 2, "key_pool": 2}
 
@@ -133,3 +134,23 @@ def test_eval_of_a_local_checkpoint_and_a_settings_guard(
         evaluate(EvalConfig("secret_lookup", ENV, n=5), tmp_path, model_path=tiny_model_dir)
     with pytest.raises(ConfigError, match="exactly one"):
         evaluate(config, tmp_path / "x")
+
+
+def test_the_summary_names_each_distinct_error_and_what_to_do() -> None:
+    vllm_400 = (
+        "RuntimeError: POST http://127.0.0.1:8000/v1/chat/completions: HTTP 400: "
+        '{"error": {"message": "\\"auto\\" tool choice requires --enable-auto-tool-choice and '
+        '--tool-call-parser to be set"}}'
+    )
+    summary = {
+        "k": 1, "episodes": 66, "success": 0.0, "pass@1": 0.0, "reward_mean": 0.0,
+        "turns_mean": 0.0, "tool_calls_mean": 0.0, "tool_error_rate": 0.0,
+        "completion_tokens_mean": 0.0, "reward_components": {}, "stop_reasons": {"error": 66},
+        "errors": 66, "error_messages": {vllm_400: 64, "TimeoutError: timed out": 2},
+    }  # fmt: skip
+    text = "\n".join(summary_lines(summary))
+    assert "errors: 66 episode(s) failed" in text
+    assert f"64x {vllm_400}" in text
+    assert "--enable-auto-tool-choice --tool-call-parser hermes" in text.split("64x")[1]
+    assert "2x TimeoutError: timed out" in text
+    assert "lower --concurrency" in text

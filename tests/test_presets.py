@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -58,3 +59,22 @@ def test_a_cycle_of_bases_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text("base = 3\n")
     with pytest.raises(ConfigError, match="base must be a recipe name"):
         read_recipe(str(tmp_path / "c.toml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_combines_with_another_environment(preset: str) -> None:
+    """A preset carries no environment settings of its own: naming another environment
+    drops the probe's options (they belong to the probe), and options given beside the new
+    name apply to it, in any order."""
+    config = load_config(preset, ["env.reward=expected", "env.name=bandit"])
+    assert config.env.name == "bandit"
+    assert config.env.options == {"reward": "expected"}
+    assert config.algorithm == load_config(preset).algorithm
+
+
+def test_a_preset_trains_on_another_environment(tmp_path: Path) -> None:
+    """`turnrl train grpo --set env.name=bandit` used to fail on the probe's options."""
+    result = train(load_config("grpo", [*SMALL_RUN, "env.name=bandit"]), tmp_path, progress=False)
+    trained = [r for r in result.rows if "loss/policy" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert json.loads((tmp_path / "config.json").read_text())["env"]["name"] == "bandit"

@@ -1,1 +1,70 @@
-"""turnrl: RL for multi-turn, tool-using language-model agents."""
+"""turnrl: RL for multi-turn, tool-using language-model agents.
+
+The public API. ``import turnrl`` stays light (no torch): ``train`` and ``evaluate``
+import the trainer when first used.
+
+    import turnrl
+    turnrl.train("grpo", env=turnrl.Environment(tasks, make_env), out="runs/mine")
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from turnrl.envs import Environment, ToolEnv, check_env, make_env_spec
+from turnrl.errors import ConfigError, EpisodeFailures, TurnrlError
+from turnrl.formats import get_format
+from turnrl.rewards import Verdict
+from turnrl.tools import Tool, ToolSet, tool
+from turnrl.types import Message, StepResult, Task, ToolCall, Trajectory
+
+if TYPE_CHECKING:
+    from turnrl.api import train
+    from turnrl.evaluation import EvalConfig, evaluate
+    from turnrl.trainer.config import Config, load_config
+    from turnrl.trainer.loop import RunResult
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Environment",
+    "EpisodeFailures",
+    "EvalConfig",
+    "Message",
+    "RunResult",
+    "StepResult",
+    "Task",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "ToolSet",
+    "Trajectory",
+    "TurnrlError",
+    "Verdict",
+    "check_env",
+    "evaluate",
+    "get_format",
+    "load_config",
+    "make_env_spec",
+    "tool",
+    "train",
+]
+
+_LAZY = {  # name -> module: these import torch, so only when first asked for
+    "train": "turnrl.api",
+    "evaluate": "turnrl.evaluation",
+    "EvalConfig": "turnrl.evaluation",
+    "Config": "turnrl.trainer.config",
+    "load_config": "turnrl.trainer.config",
+    "RunResult": "turnrl.trainer.loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'turnrl' has no attribute {name!r}")

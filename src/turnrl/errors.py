@@ -21,3 +21,10 @@ class BackendError(TurnrlError):
 
 class ToolDefinitionError(TurnrlError, TypeError):
     """A Python function cannot become a tool (missing annotations, unsupported types)."""
+
+
+class EpisodeFailures(TurnrlError):
+    """Episodes of a step raised: a bug in user code (the environment, a tool factory, the
+    verifier) or a backend failure, beyond ``rollout.max_error_frac``. The model's own
+    mistakes (malformed calls, bad arguments, unknown tools, a tool's error) are
+    observations, never this."""

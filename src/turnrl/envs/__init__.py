@@ -2,6 +2,7 @@
 
 from turnrl.envs.card import EnvCard
 from turnrl.envs.check import EnvReport, check_env
+from turnrl.envs.custom import Environment
 from turnrl.envs.games import Bandit, FrozenLake, GameEnv, Sokoban
 from turnrl.envs.registry import ENVIRONMENTS, EnvSpec, make_env_spec
 from turnrl.envs.secret_lookup import SecretLookup
@@ -13,6 +14,7 @@ __all__ = [
     "EnvCard",
     "EnvReport",
     "EnvSpec",
+    "Environment",
     "FrozenLake",
     "GameEnv",
     "SecretLookup",

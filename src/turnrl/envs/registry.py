@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import random
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Any, Protocol, cast
 
+from turnrl.envs.custom import as_environment
 from turnrl.envs.games import Bandit, FrozenLake, Sokoban
 from turnrl.envs.search_qa import SearchQA
 from turnrl.envs.secret_lookup import SecretLookup
@@ -33,7 +36,9 @@ class EnvSpec(Protocol):
 
     def make_env(self) -> Env: ...
 
-    def demonstration(self, task: Task, rng: random.Random) -> list[str]: ...
+    def demonstration(
+        self, task: Task, rng: random.Random
+    ) -> list[str] | Awaitable[list[str]]: ...
 
     def corpus(self) -> list[str]: ...
 
@@ -52,15 +57,56 @@ ENVIRONMENTS: dict[str, type[Any]] = {
 
 
 def make_env_spec(name: str, **options: Any) -> EnvSpec:
-    """Build the named environment family with ``options`` (its dataclass fields)."""
+    """Build an environment family with ``options``: a registered name (its dataclass
+    fields are the options), or ``"package.module:factory"``, a class or function of yours
+    called with the options (it must return an object with ``task`` and ``make_env``;
+    ``demonstration`` and ``corpus`` are derived where it has none, see ``envs.custom``)."""
+    if ":" in name:
+        return _import_env_spec(name, options)
     if name not in ENVIRONMENTS:
-        raise ConfigError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+        raise ConfigError(
+            f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}, or "
+            "'package.module:factory' for your own"
+        )
     cls = ENVIRONMENTS[name]
+    _check_options(cls, name, options)
+    spec: EnvSpec = cls(**options)
+    return spec
+
+
+def _check_options(cls: type[Any], name: str, options: dict[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(
             f"unknown option(s) {unknown} for environment {name!r}; known: {sorted(known)}"
         )
-    spec: EnvSpec = cls(**options)
-    return spec
+
+
+def _import_env_spec(target: str, options: dict[str, Any]) -> EnvSpec:
+    """``"package.module:factory"`` imported and called with ``options``."""
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"environment {target!r}: cannot import {module_name!r}: {exc}") from exc
+    factory: Any = module
+    for part in attribute.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ConfigError(f"environment {target!r}: {module_name} has no {attribute!r}")
+    if dataclasses.is_dataclass(factory) and isinstance(factory, type):
+        _check_options(factory, target, options)
+    if not callable(factory):
+        raise ConfigError(f"environment {target!r} is not a class or a function")
+    try:
+        spec = factory(**options)
+    except TypeError as exc:
+        raise ConfigError(f"environment {target!r} does not take options {options}: {exc}") from exc
+    missing = [m for m in ("task", "make_env") if not callable(getattr(spec, m, None))]
+    if missing:
+        raise ConfigError(
+            f"environment {target!r} returned {type(spec).__name__}, which has no "
+            f"{' or '.join(missing)} method (see turnrl.envs.registry.EnvSpec)"
+        )
+    return cast(EnvSpec, as_environment(spec))

@@ -165,6 +165,7 @@ def summarize(rows: Sequence[dict[str, Any]], k: int) -> dict[str, Any]:
         "completion_tokens_mean": sum(r["completion_tokens"] for r in rows) / n,
         "stop_reasons": dict(Counter(str(r["stop_reason"]) for r in rows)),
         "errors": sum(r["error"] is not None for r in rows),
+        "error_messages": dict(Counter(r["error"] for r in rows if r["error"]).most_common()),
     }
 
 
@@ -186,8 +187,37 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         + ", ".join(f"{r} {c}" for r, c in sorted(summary["stop_reasons"].items())),
     ]
     if summary["errors"]:
-        lines.append(f"errors: {summary['errors']} episode(s) failed (see episodes.jsonl)")
+        lines.append(f"errors: {summary['errors']} episode(s) failed (see episodes.jsonl):")
+        for message, count in summary.get("error_messages", {}).items():
+            lines.append(f"  {count}x {message[:300]}")
+            lines += [f"     -> {hint}" for hint in error_hints(message)]
     return lines
+
+
+KNOWN_CAUSES = (
+    (
+        "tool choice requires",  # vLLM's 400 for tools without --enable-auto-tool-choice
+        "the server does not parse tool calls: start vLLM with --enable-auto-tool-choice "
+        "--tool-call-parser hermes (or the parser of your model's family)",
+    ),
+    (
+        "Connection refused",
+        "nothing listens at the endpoint: is the server up, and is --endpoint its base URL "
+        "(ending in /v1)?",
+    ),
+    (
+        "HTTP 404",
+        "the endpoint has no such route: --endpoint is the server's base URL, ending in /v1",
+    ),
+    ("HTTP 401", "the server wants an API key, which turnrl eval does not send: serve without one"),
+    ("timed out", "the server answered too slowly: lower --concurrency"),
+)
+"""Substrings of error messages whose cause is known, and what to do about each."""
+
+
+def error_hints(message: str) -> list[str]:
+    """What to do about an episode's error, where its cause is known."""
+    return [hint for needle, hint in KNOWN_CAUSES if needle in message]
 
 
 def _check_same_config(out: Path, config: EvalConfig, model: Any, endpoint: str | None) -> None:

@@ -79,7 +79,7 @@ async def run_episode(
         await _play(traj, env, task, generate, renderer, limits, sampling, seed)
     except Exception as exc:  # a bad rollout is data: record it, never crash the batch
         traj.error = f"{type(exc).__name__}: {exc}"
-        traj.info["traceback"] = traceback.format_exc(limit=8)
+        traj.info["traceback"] = traceback.format_exc(limit=-12)  # the innermost frames: the bug
         _end(traj, "error", truncated=False)
     finally:
         await _close(env, traj)

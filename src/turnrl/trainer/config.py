@@ -82,6 +82,12 @@ class RolloutConfig:
     """Sampled tokens per episode."""
     max_context_tokens: int = 512
     """Prompt plus everything after it."""
+    max_error_frac: float = 0.0
+    """Share of a step's episodes that may fail with an exception (raised by the
+    environment, a tool factory, the verifier or the backend) before the run stops with the
+    first failure's traceback. The model's mistakes (malformed calls, bad arguments, unknown
+    tools, a tool's error) are observations and never count. A step whose every episode
+    failed stops the run whatever this says: there is nothing to train on."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +272,7 @@ class MonitorConfig:
     norms are heavy-tailed: in a healthy quick-start run 1% of steps exceed 5x."""
     tool_calls_frac: float = 0.5
     """Tool calls per episode falling below this fraction of their best level (and by 0.1)."""
-    solved_success: float = 0.9
+    solved_success: float = 0.8
     """Success rate (median of the last ``window`` steps) at which falling entropy, falling
     in-group reward std and rising zero-variance groups count as convergence, not collapse:
     those three alarms stay quiet. Above 1 turns that off."""
@@ -293,6 +299,7 @@ class MonitorConfig:
             (self.grad_norm_spike > 1.0, "monitor.grad_norm_spike must be > 1"),
             (0.0 < self.tool_calls_frac < 1.0, "monitor.tool_calls_frac must be in (0, 1)"),
             (self.mismatch_rise > 1.0, "monitor.mismatch_rise must be > 1"),
+            (self.solved_success > 0.0, "monitor.solved_success must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -332,6 +339,10 @@ class Config:
             (self.rollout.group_size >= 2, "rollout.group_size must be >= 2 for GRPO"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
             (self.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
+            (
+                0.0 <= self.rollout.max_error_frac <= 1.0,
+                "rollout.max_error_frac must be in [0, 1]",
+            ),
             (self.rollout.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
             (0.0 < self.rollout.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
             (self.rollout.temperature > 0.0, "rollout.temperature must be > 0 for training"),
@@ -388,13 +399,29 @@ class Config:
 def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
     data = read_recipe(recipe or DEFAULT_RECIPE)
+    parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        _assign(data, key.strip().split("."), _parse_value(raw.strip()))
+        parsed.append((key.strip().split("."), _parse_value(raw.strip())))
+    # env.name first: a new environment drops the recipe's options for the old one, and the
+    # options given beside it apply to the new one, in whatever order they were written.
+    for keys, value in sorted(parsed, key=lambda kv: kv[0] != ["env", "name"]):
+        if keys == ["env", "name"]:
+            _switch_env(data, value)
+        else:
+            _assign(data, keys, value)
     config: Config = build(Config, data, "")
     return config
+
+
+def _switch_env(data: dict[str, Any], name: Any) -> None:
+    """Set the environment's name; its options belong to one environment, so another name
+    starts from none (any preset combines with any environment)."""
+    env = data.get("env")
+    if not isinstance(env, dict) or env.get("name", EnvConfig.name) != name:
+        data["env"] = {"name": name}
 
 
 def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -426,6 +453,8 @@ def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
     for key, value in data.items():
+        if key == "env" and isinstance(value, dict) and "name" in value:
+            _switch_env(into, value["name"])  # the base's options were for its environment
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         else:

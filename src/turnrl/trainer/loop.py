@@ -30,6 +30,7 @@ from turnrl.models.loading import stop_token_ids
 from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
+from turnrl.rollout.failures import check_failures
 from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
 from turnrl.trainer.checkpoint import (
     TrainerState,
@@ -75,8 +76,10 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_row: Callable[[Row], None] | None = None,
+    env: EnvSpec | None = None,
 ) -> RunResult:
-    """Run ``config`` into ``run_dir``; with ``resume`` continue from its last checkpoint."""
+    """Run ``config`` into ``run_dir``; with ``resume`` continue from its last checkpoint.
+    ``env``: an environment family object to train on instead of ``config.env``'s."""
     run_dir = Path(run_dir)
     if (run_dir / "metrics.jsonl").exists() and not resume:
         raise ConfigError(f"{run_dir} already holds a run; pass --resume or choose another --out")
@@ -85,7 +88,7 @@ def train(
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    spec = make_env_spec(config.env.name, **config.env.options)
+    spec = env if env is not None else make_env_spec(config.env.name, **config.env.options)
 
     checkpoint = latest_checkpoint(run_dir) if resume else None
     model_path = (
@@ -158,6 +161,8 @@ def train(
             tasks = [spec.task(i, split="test") for i in range(config.eval.num_tasks)]
             eval_spec = GroupSpec(1, limits, sampling, seed=derive_seed(config.seed, "eval"))
             groups = backend.run(collect_groups(tasks, spec.make_env, backend, renderer, eval_spec))
+            episodes = [t for g in groups for t in g]
+            check_failures(episodes, config.rollout.max_error_frac, where="evaluation")
             metrics = rollout_metrics(groups)
             return {
                 "eval/success_mean": metrics["rollout/success_mean"],
@@ -201,6 +206,7 @@ def train(
             bar.set_postfix(
                 success=f"{row['rollout/success_mean']:.2f}",
                 reward=f"{row['rollout/reward_mean']:.2f}",
+                errors=f"{row['rollout/errors']:.0f}",
             )
             if done % config.save_every == 0 or last:
                 state = TrainerState(step=done, policy_version=backend.policy_version)
@@ -267,6 +273,7 @@ def _warmup(
         spec, tokenizer, renderer, count=min(w.steps * w.batch_size, 4096),
         limits=limits, sampling=sampling, seed=config.seed,
     )  # fmt: skip
+    check_failures(demos, config.rollout.max_error_frac, where="warm-up demonstrations")
     samples = warmup_samples(demos)
     if not samples:
         raise ConfigError("the warm-up demonstrations produced no trainable samples")
@@ -297,6 +304,8 @@ def _train_step(
     groups, all_groups, selection = _collect(
         config, step, spec, backend, renderer, limits, sampling
     )
+    sampled = [t for g in all_groups for t in g]
+    check_failures(sampled, config.rollout.max_error_frac, where=f"step {step + 1}")
     t1 = time.perf_counter()
     kl = _reward_kl(config, learner, groups, backend.pad_id)
     advantages = _advantages(config, step, groups, kl)

@@ -51,6 +51,9 @@ from turnrl.trainer.config import MonitorConfig
 
 Row = Mapping[str, Any]
 
+SUCCESS = "rollout/success_mean"
+"""The metric that tells convergence from collapse (``Rule.quiet_when_solved``)."""
+
 
 @dataclass(frozen=True)
 class Alarm:
@@ -101,6 +104,10 @@ class Rule:
     advice: str
     latest: bool = False
     """Compare the latest value instead of the recent median (a one-step spike)."""
+    quiet_when_solved: bool = False
+    """Stay quiet while the run succeeds (recent ``rollout/success_mean`` at or above
+    ``monitor.solved_success``): uniform groups and a falling entropy are then the policy
+    converging on solved tasks, not collapsing."""
 
     def threshold(self, reference: float) -> float:
         """The level a value must cross, given the reference level."""
@@ -141,7 +148,9 @@ def default_rules(config: MonitorConfig) -> tuple[Rule, ...]:
     =====================  ==============================================================
 
     The ratios are ``config``'s fields; the absolute margins are fixed here. "best",
-    "lowest" are records, "trailing" the trailing median (module docstring).
+    "lowest" are records, "trailing" the trailing median (module docstring). The first three
+    stay quiet while recent success is at least ``solved_success``: a run that solves its
+    tasks has uniform groups and a confident policy, and that is convergence.
     """
     c = config
     return (
@@ -151,6 +160,7 @@ def default_rules(config: MonitorConfig) -> tuple[Rule, ...]:
             "the groups are becoming uniform, so group advantages vanish: consider variance "
             "filtering (StarPO-S) or dynamic sampling (DAPO), a higher temperature, or harder "
             "tasks.",
+            quiet_when_solved=True,
         ),
         Rule(
             "zero_variance_rise", "rollout/zero_variance_groups_frac", "rise", "record",
@@ -158,12 +168,14 @@ def default_rules(config: MonitorConfig) -> tuple[Rule, ...]:
             "more groups give every sample the same reward and so no gradient: filter them "
             "out (DAPO dynamic sampling), raise group_size or the temperature, or bring task "
             "difficulty to the model's level.",
+            quiet_when_solved=True,
         ),
         Rule(
             "entropy_collapse", "loss/entropy", "fall", "record", c.entropy_frac, 0.05,
             "the policy is becoming deterministic and stops exploring: consider clip-higher "
             "(DAPO, eps_high = 0.28), a higher temperature, a KL or entropy term, or a lower "
             "learning rate.",
+            quiet_when_solved=True,
         ),
         Rule(
             "entropy_jump", "loss/entropy", "rise", "trailing", c.entropy_jump, 0.05,
@@ -210,7 +222,8 @@ class Monitor:
         self.config = config
         self.rules = tuple(rules) if rules is not None else default_rules(config)
         size = config.window + config.baseline_window
-        self._history: dict[str, deque[float]] = {r.metric: deque(maxlen=size) for r in self.rules}
+        watched = {r.metric for r in self.rules} | {SUCCESS}
+        self._history: dict[str, deque[float]] = {m: deque(maxlen=size) for m in sorted(watched)}
         self._counts = dict.fromkeys(self._history, 0)
         self._states = {r.name: _RuleState() for r in self.rules}
         self.alarms: list[Alarm] = []
@@ -245,6 +258,12 @@ class Monitor:
             self.update(by_step[step])
         self.alarms.clear()
 
+    def solved(self) -> bool:
+        """Whether the run currently solves its tasks: the median of the last ``window``
+        values of ``rollout/success_mean`` is at least ``solved_success``."""
+        recent = list(self._history[SUCCESS])[-self.config.window :]
+        return bool(recent) and statistics.median(recent) >= self.config.solved_success
+
     def _check(self, rule: Rule, latest: float, step: int) -> Alarm | None:
         c, state = self.config, self._states[rule.name]
         if self._counts[rule.metric] < c.warmup_steps:
@@ -260,7 +279,7 @@ class Monitor:
             state.record = min(state.record, trailing)
         reference = state.record if rule.reference == "record" else trailing
         value = latest if rule.latest else statistics.median(recent)
-        if not rule.crossed(value, reference):
+        if not rule.crossed(value, reference) or (rule.quiet_when_solved and self.solved()):
             state.quiet = state.quiet + 1 if rule.recovered(value, reference) else 0
             if state.quiet >= c.cooldown_steps:
                 state.armed = True

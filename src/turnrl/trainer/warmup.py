@@ -10,6 +10,7 @@ tokens and loss masks come from exactly the code path RL uses.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 from typing import Any
 
@@ -42,7 +43,10 @@ def demonstration_trajectories(
 
     async def one(index: int) -> Trajectory:
         task = spec.task(index, split="warmup")
-        backend = ScriptedBackend(tokenizer, spec.demonstration(task, rng), end_token_id=end_id)
+        turns = spec.demonstration(task, rng)  # drawn in task order: deterministic
+        if inspect.isawaitable(turns):  # a derived demonstration asks the environment first
+            turns = await turns
+        backend = ScriptedBackend(tokenizer, turns, end_token_id=end_id)
 
         async def generate(request: GenerationRequest) -> Completion:
             return (await backend.generate([request]))[0]

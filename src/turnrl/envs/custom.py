@@ -1,0 +1,187 @@
+"""``Environment``: your own task and environment, trainable as they are.
+
+An environment family, as the trainer uses it, is a task source (``task(index, split)``)
+and a fresh environment per episode (``make_env()``); for the tiny model it also gives a
+format warm-up (``demonstration``) and text for the tokenizer (``corpus``). ``Environment``
+holds your tasks (a list, or a function of the index) and your environment factory, and
+derives the last two when you give none:
+
+- the warm-up demonstration of a task: a call to one of the environment's tools with
+  arguments of the right types (numbers at random, strings taken from the task's prompt),
+  rendered by the environment's own format, then an answer made of a word or number of
+  the prompt. It shows the format only, never the solution, like the shipped families'
+  teachers;
+- the corpus: the prompts and answers of the first tasks and the tools' names,
+  descriptions and a rendered call of each.
+
+``as_environment`` completes any object with ``task`` and ``make_env`` the same way, so
+``--set env.name=package.module:factory`` and ``turnrl.train(env=...)`` need no more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnrl.protocols import Env, Format, ToolSchema
+from turnrl.types import Task, ToolCall
+
+TaskSource = Sequence[Task] | Callable[[int, str], Task]
+"""A list of tasks (read in order, cycling), or a function of (index, split)."""
+
+CORPUS_TASKS = 200
+"""Tasks whose prompts and answers go into the default corpus."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Your environment family: tasks and a factory of fresh environments (one per episode).
+
+    ``tasks``: the training tasks. ``test_tasks``: the held-out ones evaluation plays
+    (default: the training tasks, so "held-out" success is then training success).
+    ``env``: a function returning a new ``Env`` (e.g. a ``ToolEnv``). ``demonstration``
+    and ``corpus`` are derived from the environment when not given (module docstring).
+    """
+
+    tasks: TaskSource
+    env: Callable[[], Env]
+    test_tasks: TaskSource | None = None
+    name: str = "custom"
+    demonstrate: Callable[[Task, random.Random], list[str]] | None = None
+    """Assistant turns that show the format for a task (the warm-up plays them)."""
+    corpus_text: Sequence[str] = field(default=())
+    """Extra text for the tiny model's tokenizer (added to the derived corpus)."""
+
+    def __post_init__(self) -> None:
+        for label, source in (("tasks", self.tasks), ("test_tasks", self.test_tasks)):
+            if source is None or callable(source):
+                continue
+            if not isinstance(source, Sequence) or not source:
+                raise TypeError(f"{label} must be a non-empty list of Task or a function")
+            bad = next((t for t in source if not isinstance(t, Task)), None)
+            if bad is not None:
+                raise TypeError(f"{label} must hold turnrl.Task objects, got {bad!r}")
+        if not callable(self.env):
+            raise TypeError(f"env must be a function returning a new environment, got {self.env!r}")
+
+    def task(self, index: int, split: str = "train") -> Task:
+        source = self.test_tasks if split == "test" and self.test_tasks is not None else self.tasks
+        if callable(source):
+            return source(index, split)
+        return source[index % len(source)]
+
+    def make_env(self) -> Env:
+        return self.env()
+
+    def demonstration(self, task: Task, rng: random.Random) -> Any:
+        """The given ``demonstrate``, or a derived one (an awaitable of the turns)."""
+        if self.demonstrate is not None:
+            return self.demonstrate(task, rng)
+        return default_demonstration(self.env, task, rng.getrandbits(64))
+
+    def corpus(self) -> list[str]:
+        return [*self.corpus_text, *default_corpus(self)]
+
+
+def as_environment(spec: Any) -> Any:
+    """``spec`` with ``demonstration`` and ``corpus``: as it is if it has both, else an
+    ``Environment`` over its ``task`` and ``make_env``."""
+    if callable(getattr(spec, "demonstration", None)) and callable(getattr(spec, "corpus", None)):
+        return spec
+    given = getattr(spec, "demonstration", None)
+    return Environment(
+        tasks=spec.task, env=spec.make_env, name=str(getattr(spec, "name", "custom")),
+        demonstrate=given if callable(given) else None,
+    )  # fmt: skip
+
+
+async def default_demonstration(make_env: Callable[[], Env], task: Task, seed: int) -> list[str]:
+    """A call to a random tool of the task's environment with typed random arguments, in
+    its format, then an answer of a word or number from the prompt (format only)."""
+    rng = random.Random(seed)
+    schemas, fmt = await _tools_and_format(make_env, task)
+    turns = []
+    if schemas and fmt is not None:
+        function = rng.choice(schemas)["function"]
+        arguments = plausible_arguments(function.get("parameters", {}), task, rng)
+        turns.append(fmt.render_call(ToolCall(function["name"], arguments)))
+    turns.append(rng.choice(_words(task)))
+    return turns
+
+
+def default_corpus(spec: Any, num_tasks: int = CORPUS_TASKS) -> list[str]:
+    """Prompts and answers of the first tasks, and each tool's name, description and a
+    rendered call (the tokenizer then has pieces for what the policy will read and write)."""
+    lines: list[str] = []
+    tasks = [spec.task(i) for i in range(num_tasks)]
+    for task in tasks:
+        lines += [str(m.get("content", "")) for m in task.prompt]
+        if task.answer is not None:
+            lines.append(str(task.answer))
+    schemas, fmt = asyncio.run(_tools_and_format(spec.make_env, tasks[0]))
+    rng = random.Random(0)
+    for schema in schemas:
+        function = schema["function"]
+        lines += [str(function["name"]), str(function.get("description", ""))]
+        if fmt is not None:
+            arguments = plausible_arguments(function.get("parameters", {}), tasks[0], rng)
+            lines.append(fmt.render_call(ToolCall(function["name"], arguments)))
+    return [line for line in lines if line]
+
+
+def plausible_arguments(
+    parameters: dict[str, Any], task: Task, rng: random.Random
+) -> dict[str, Any]:
+    """Values of the JSON schema's types for each required parameter (all if none is
+    marked required): small numbers, booleans, words of the task's prompt."""
+    properties: dict[str, Any] = parameters.get("properties", {})
+    names = parameters.get("required") or list(properties)
+    return {name: _value(properties.get(name, {}), task, rng) for name in names}
+
+
+def _value(schema: dict[str, Any], task: Task, rng: random.Random) -> Any:
+    if schema.get("enum"):
+        return rng.choice(list(schema["enum"]))
+    kind = schema.get("type", "string")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "integer":
+        return rng.randint(0, 20)
+    if kind == "number":
+        return round(rng.uniform(0, 20), 1)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [_value(schema.get("items", {}), task, rng) for _ in range(rng.randint(1, 3))]
+    if kind == "object":
+        return plausible_arguments(schema, task, rng)
+    return rng.choice(_words(task))
+
+
+def _words(task: Task) -> list[str]:
+    """Words and numbers of the task's prompt (a fallback word if it has none)."""
+    text = " ".join(str(m.get("content", "")) for m in task.prompt)
+    return re.findall(r"-?\d+(?:\.\d+)?|[A-Za-z][A-Za-z'-]*", text) or ["answer"]
+
+
+async def _tools_and_format(
+    make_env: Callable[[], Env], task: Task
+) -> tuple[list[ToolSchema], Format | None]:
+    """The tools a fresh environment offers for ``task`` (its full schemas, whether or not
+    its format puts them in the template) and its format, if it has one."""
+    env = make_env()
+    try:
+        await env.reset(task, 0)
+        tools = getattr(env, "tools", None)
+        schemas = tools.schemas() if tools is not None and hasattr(tools, "schemas") else []
+        return list(schemas or env.tool_schemas()), getattr(env, "format", None)
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            result = close()
+            if inspect.isawaitable(result):
+                await result

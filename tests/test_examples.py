@@ -1,0 +1,67 @@
+"""The examples run as a user runs them (a few tiny steps each), and the README shows the
+calculator example exactly as it is in examples/."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL_RUN
+from turnrl import get_format
+from turnrl.envs.custom import default_corpus, default_demonstration
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_each_example_trains_a_few_steps(path: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(path), *SMALL_RUN], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (metrics,) = tmp_path.glob("runs/*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss/policy" in r] == [1, 2]
+    assert all(r["rollout/errors"] == 0 for r in rows if "rollout/errors" in r)
+
+
+def test_the_calculator_fits_in_30_lines_and_is_the_readme_s() -> None:
+    source = (ROOT / "examples" / "calculator.py").read_text()
+    assert len(source.splitlines()) <= 30
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    assert source in blocks
+
+
+def test_the_derived_demonstration_calls_a_tool_in_the_format_then_answers() -> None:
+    calculator = runpy.run_path(str(ROOT / "examples" / "calculator.py"))
+    task = calculator["make_task"](3, "train")
+    turns = asyncio.run(default_demonstration(calculator["make_env"], task, seed=1))
+    assert len(turns) == 2
+    (call,) = get_format("hermes").parse(turns[0]).tool_calls
+    assert call.name == "multiply"
+    assert set(call.arguments) == {"a", "b"}
+    assert all(isinstance(v, int) for v in call.arguments.values())
+    assert turns[1] in task.prompt[0]["content"]  # a word of the prompt, not the answer
+    again = asyncio.run(default_demonstration(calculator["make_env"], task, seed=1))
+    assert again == turns  # seeded
+
+
+def test_the_derived_corpus_has_the_prompts_answers_and_tools() -> None:
+    calculator = runpy.run_path(str(ROOT / "examples" / "calculator.py"))
+    env = calculator["Environment"](calculator["make_task"], calculator["make_env"])
+    corpus = default_corpus(env, num_tasks=5)
+    task = calculator["make_task"](0, "train")
+    assert task.prompt[0]["content"] in corpus
+    assert task.answer in corpus
+    assert "multiply" in corpus
+    assert any("<tool_call>" in line for line in corpus)
