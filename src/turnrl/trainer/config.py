@@ -537,3 +537,88 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     else:
         return value
     raise ConfigError(f"{path} must be {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _inert_rules(a: AlgorithmConfig) -> list[tuple[tuple[str, ...], bool, str]]:
+    """(settings, whether they have an effect under ``a``, when they do)."""
+    gae = a.advantage == "gae"
+    return [
+        (("critic", "critic_lr", "critic_epochs", "value_clip", "gae_gamma", "gae_lambda",
+          "gae_level", "whiten_advantages"), gae, "advantage = 'gae'"),
+        (("gae_turn_gamma",), gae and a.gae_level == "turn", "advantage = 'gae', gae_level = 'turn'"),
+        (("gigpo_gamma", "gigpo_omega"), a.advantage == "gigpo", "advantage = 'gigpo'"),
+        (("kl_placement", "kl_estimator"), a.kl_coef > 0, "kl_coef > 0"),
+        (("tis_cap",), a.off_policy != "none", "off_policy != 'none'"),
+        (("max_sample_rounds",), a.dynamic_sampling, "dynamic_sampling = true"),
+        (("dual_clip",), a.policy_loss == "ppo", "policy_loss = 'ppo'"),
+    ]  # fmt: skip
+
+
+def inert_settings(config: Config) -> list[str]:
+    """Settings changed from their defaults that do nothing under the chosen algorithm
+    (e.g. ``gigpo_omega`` under GRPO), one message each: a typo or a misunderstanding
+    is better caught before the run than after."""
+    defaults = AlgorithmConfig()
+    out = []
+    for names, active, when in _inert_rules(config.algorithm):
+        if active:
+            continue
+        for name in names:
+            value = getattr(config.algorithm, name)
+            if value != getattr(defaults, name):
+                out.append(
+                    f"algorithm.{name} = {value!r} has no effect: it applies only with {when}"
+                )
+    return out
+
+
+def field_help(cls: type[Any]) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), first sentence."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (a frozen build): no help, not an error
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    out = {}
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            text = " ".join(after.value.value.split())
+            out[node.target.id] = text.split(". ")[0].rstrip(".") + "."
+    return out
+
+
+def describe(config: Config) -> list[str]:
+    """The resolved configuration as TOML, each setting with its one-line help."""
+    lines: list[str] = []
+
+    def section(obj: Any, title: str | None) -> None:
+        helps = field_help(type(obj))
+        if title:
+            doc = (type(obj).__doc__ or "").strip().splitlines()[0]
+            lines.extend(["", f"[{title}]  # {doc}"])
+        nested = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((value, f.name))
+                continue
+            if title == "env" and f.name == "options":
+                for key, option in sorted(value.items()):
+                    lines.append(f"{key} = {json.dumps(option)}  # an option of the environment")
+                continue
+            shown = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{f.name} = {shown}  # {helps.get(f.name, '')}".rstrip(" #"))
+        for value, name in nested:
+            section(value, name)
+
+    section(config, None)
+    return lines

@@ -40,7 +40,7 @@ from turnrl.trainer.checkpoint import (
     save_checkpoint,
     save_start_policy,
 )
-from turnrl.trainer.config import Config
+from turnrl.trainer.config import Config, inert_settings
 from turnrl.trainer.credit import (
     SampleValues,
     batch_rewards,
@@ -88,6 +88,8 @@ def train(
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    for message in inert_settings(config):
+        _say(f"warning: {message}", progress)
     spec = env if env is not None else make_env_spec(config.env.name, **config.env.options)
 
     checkpoint = latest_checkpoint(run_dir) if resume else None
