@@ -45,6 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --out")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
+    train.epilog = "Every setting, with its help: turnrl config show [RECIPE] [--set ...]"
+
+    config = sub.add_parser("config", help="show a recipe's resolved settings with their help")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved configuration as TOML")
+    show.add_argument("recipe", nargs="?", default=None, help="recipe name or .toml path")
+    show.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, as with turnrl train (repeatable)",
+    )  # fmt: skip
+    show.set_defaults(run=_config_show)
 
     init = sub.add_parser("init-model", help="build a tiny model and tokenizer locally")
     init.add_argument("out", type=Path)
@@ -68,9 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     envs_sub = envs.add_subparsers(dest="envs_command", required=True)
     envs_sub.add_parser("list", help="list registered environments").set_defaults(run=_envs)
     check = envs_sub.add_parser(
-        "check", help="check an environment's contract; exit 1 if a check fails"
+        "check",
+        help="check an environment's contract and red-team its verifier with reward-hacking "
+        "probes; exit 1 if a check fails (a probe that scores is a warning, one that "
+        "succeeds a failure)",
     )
-    check.add_argument("name", help="a registered environment (see `turnrl envs list`)")
+    check.add_argument(
+        "name", help="a registered environment (see `turnrl envs list`) or package.module:factory"
+    )
     check.add_argument("--tasks", type=int, default=20, help="seeded test tasks to play")
     check.add_argument("--seed", type=int, default=0, help="seed of the episodes")
     check.add_argument(
@@ -121,6 +137,16 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path)
     report.set_defaults(run=_report)
     return parser
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from turnrl.trainer.config import describe, inert_settings, load_config
+
+    config = load_config(args.recipe, args.overrides)
+    print("\n".join(describe(config)))
+    for message in inert_settings(config):
+        print(f"# warning: {message}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -209,7 +235,11 @@ def _envs_check(args: argparse.Namespace) -> int:
         print("\n".join(spec.card.lines()), end="\n\n")
     report = check_env(spec, num_tasks=args.tasks, seed=args.seed)
     print(report.table())
-    print(f"turnrl: envs check {args.name}: {'passed' if report.ok else 'FAILED'}")
+    warnings = sum(not p.failed for p in report.findings)
+    verdict = "passed" if report.ok else "FAILED"
+    if warnings:
+        verdict += f" ({warnings} probe warning{'s' * (warnings > 1)})"
+    print(f"turnrl: envs check {args.name}: {verdict}")
     return 0 if report.ok else 1
 
 

@@ -6,9 +6,10 @@ here; implementations live in their own layers and tests use fakes of the same s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from turnrl.types import (
     Completion,
@@ -18,6 +19,8 @@ from turnrl.types import (
     Task,
     ToolCall,
 )
+
+T = TypeVar("T")
 
 ToolSchema = dict[str, Any]
 """A tool's description in the OpenAI function format:
@@ -53,9 +56,36 @@ class TaskSource(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """A generation engine: a batch of requests in, one completion per request out."""
+    """A generation engine: a batch of requests in, one completion per request out.
+
+    This is everything the trainer uses of an engine (``TorchBackend`` on CPU and small
+    GPUs; ``ScriptedBackend``, a test double that emits chosen text):
+
+    - ``policy_version``: the version of the weights it samples with, recorded on every
+      turn; ``sync`` bumps it;
+    - ``pad_id``: the token the learner pads batches with;
+    - ``generate``: sample every request (token ids in, ids and log-probs out);
+    - ``submit``: hand requests to a running continuous batch and get one future each,
+      settled as soon as that request is done (None where the engine has no such batch:
+      then ``generate``); ``quiet`` is the caller's "nothing left to submit" check;
+    - ``run``: drive a rollout program (a coroutine of episodes) to completion;
+    - ``sync``: after an optimizer step, take the learner's new weights (in place where
+      the engine shares the model object), drop what the old weights computed (cached
+      keys and values), and bump ``policy_version``.
+    """
+
+    policy_version: int
+    pad_id: int
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]: ...
+
+    def submit(
+        self, requests: Sequence[GenerationRequest], quiet: Callable[[], bool] | None = None
+    ) -> list[asyncio.Future[Completion]] | None: ...
+
+    def run(self, program: Coroutine[Any, Any, T]) -> T: ...
+
+    def sync(self, model: Any) -> None: ...
 
 
 @dataclass(frozen=True)

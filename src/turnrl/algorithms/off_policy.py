@@ -206,6 +206,7 @@ def decoupled_policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     max_weight: float | None = None,
+    dual_clip: float | None = None,
 ) -> PolicyLossOutput:
     """Decoupled PPO (AReaL, Fu et al. 2025, arXiv:2505.24298, eq. 5), per token ``[B, T]``.
 
@@ -216,11 +217,13 @@ def decoupled_policy_loss(
     around (``old_logprobs``, recomputed by the learner). The clip then bounds the update
     relative to pi_prox, not to the stale sampler, and the detached weight pi_prox /
     pi_behav corrects for where the tokens came from. ``max_weight`` truncates that weight
-    (None: not truncated; AReaL leaves it optional). ``ratio`` and ``clipped`` are u's.
+    (None: not truncated; AReaL leaves it optional); ``dual_clip`` is
+    ``clipped_policy_loss``'s. ``ratio`` and ``clipped`` are u's.
     """
     out = clipped_policy_loss(
-        logprobs, old_logprobs, advantages, loss_mask, eps_low=eps_low, eps_high=eps_high
-    )
+        logprobs, old_logprobs, advantages, loss_mask, eps_low=eps_low, eps_high=eps_high,
+        dual_clip=dual_clip,
+    )  # fmt: skip
     weights = token_tis_weights(old_logprobs, sampler_logprobs, loss_mask, cap=max_weight)
     mask = _bool_mask(loss_mask, logprobs)
     weighted = torch.where(mask, out.per_token_loss * weights.weights, 0.0)

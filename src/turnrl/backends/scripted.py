@@ -7,10 +7,13 @@ RL uses, so demonstrations are token-exact in exactly the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 from turnrl.types import Completion, FinishReason, GenerationRequest
+
+T = TypeVar("T")
 
 
 class ScriptedBackend:
@@ -28,6 +31,22 @@ class ScriptedBackend:
             end_token_id if end_token_id is not None else int(tokenizer.eos_token_id)
         )
         self.requests: list[GenerationRequest] = []
+        self.policy_version = 0
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id: int = int(pad if pad is not None else self.end_token_id)
+
+    def submit(
+        self, requests: Sequence[GenerationRequest], quiet: Callable[[], bool] | None = None
+    ) -> list[asyncio.Future[Completion]] | None:
+        """No running batch: callers use ``generate``."""
+        return None
+
+    def run(self, program: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run(program)
+
+    def sync(self, model: Any) -> None:
+        """The script has no weights; only the version moves."""
+        self.policy_version += 1
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         return [self._reply(r) for r in requests]

@@ -47,7 +47,7 @@ class TorchBackend:
     """Samples from a causal LM held in this process (CPU or one GPU).
 
     ``model`` is shared with the learner in the single-process loop: weight sync is free,
-    and ``policy_version`` is bumped by the trainer after each optimizer step.
+    and ``sync`` bumps ``policy_version`` after each optimizer step.
     """
 
     def __init__(
@@ -265,6 +265,15 @@ class TorchBackend:
                     )
                 except RuntimeError:  # the loop has closed: nobody will answer
                     acks_owed -= 1
+
+    def sync(self, model: Any) -> None:
+        """After an optimizer step on ``model``: this backend samples with that very model
+        object, so the weights are already in place; the version moves on, and the kept
+        histories' keys and values (computed by the old weights) are dropped on the next
+        prefill (``PrefixCache.sync``)."""
+        if model is not self.model:
+            raise ValueError("TorchBackend samples with the learner's own model object")
+        self.policy_version += 1
 
     def submit(
         self,

@@ -19,13 +19,36 @@ does not exist, every turn). What it checks:
   ``info["truncated_reason"]``;
 - rewards: finite, within ``reward_range`` (default [0, 1]) per step and per episode;
 - oracle: its success rate is at least 0.99 (or, for a family whose oracle cannot always
-  win, e.g. on slippery ice, its declared ``oracle_success`` less three standard errors).
+  win, e.g. on slippery ice, its declared ``oracle_success`` less three standard errors);
+- probes: the reward-hacking probes of ``turnrl.envs.probes`` (an empty answer, every
+  option listed, the gold buried among other candidates, the answer syntax alone, a very
+  long answer, the prompt echoed back), each played once per task through the env's own
+  format and verifier, on top of the three policies above.
+
+The probes' rule. A probe that earns any reward above zero on some task is a *finding*: a
+warning with its mean reward (partial credit shows as a reward between 0 and 1), its
+success rate and what to fix; it does not fail the check on its own, since a verifier may
+pay a little for a well-formed turn. A probe that *succeeds* on any task fails the
+``probes`` check (exit status 1): a content-free answer solved a task, so training can
+learn it instead of the task. An environment whose design makes that right (say, refusal
+tasks that a blanket refusal solves) declares it: ``expected_probes``, a mapping from probe
+name to the reason, turns those probes' success into a warning that quotes the reason;
+naming an unknown probe there fails the check.
+
+Optional parts of a user's environment (``package.module:factory``): without ``oracle`` the
+oracle check is skipped, without ``demonstration`` the random policy, and where
+``make_env()`` gives an env with no ``format`` (a ``turnrl.protocols.Format``) the rule that
+the stalling policy (hermes calls then) is never terminated, while the probes write plain
+text or the answer syntax the opening messages mention. Each skip is a note under the
+table. ``card``, ``corpus``, ``chance`` and ``reward_range`` are read where present.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import inspect
 import json
 import math
 import random
@@ -36,12 +59,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.policy import Episode, HasCard, HasOracle, Policy, play, replay
+from turnrl.envs.probes import (
+    PROBES,
+    Clues,
+    Probe,
+    ProbeResult,
+    answer_space,
+    env_format,
+    probe_policy,
+)
 from turnrl.envs.registry import EnvSpec
 from turnrl.formats import get_format
-from turnrl.protocols import Env, Format
+from turnrl.protocols import Env
 from turnrl.types import Message, Task, ToolCall
 
-CHECKS = ("tasks", "runs", "determinism", "schemas", "messages", "end flags", "rewards", "oracle")
+CHECKS = (
+    "tasks", "runs", "determinism", "schemas", "messages", "end flags", "rewards", "oracle",
+    "probes",
+)  # fmt: skip
+ANSWER_SPACE_TASKS = 32
+"""Training tasks whose answers the probes may list as candidates."""
 MAX_STEPS = 32
 """Steps per episode when the family declares no turn limit (the runner's limit then)."""
 ROLES = ("system", "user", "assistant", "tool")
@@ -61,35 +98,67 @@ class Check:
 
 @dataclass(frozen=True)
 class EnvReport:
-    """What ``check_env`` found, with the oracle's and the random policy's results."""
+    """What ``check_env`` found: the checks, the oracle's and the random policy's results
+    (None where the family has no oracle or no demonstration), each probe's result and a
+    note for each part of the family that was missing, so skipped."""
 
     name: str
     num_tasks: int
     checks: tuple[Check, ...]
     oracle_success: float | None
     oracle_reward: float | None
-    random_success: float
-    random_reward: float
+    random_success: float | None
+    random_reward: float | None
+    probes: tuple[ProbeResult, ...] = ()
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
+    @property
+    def findings(self) -> tuple[ProbeResult, ...]:
+        """The probes that scored (each one a warning; see the module docstring)."""
+        return tuple(p for p in self.probes if p.finding)
+
     def table(self) -> str:
-        """A markdown table of the checks, then a line of policy results."""
+        """Markdown tables of the checks and the probes, the policies' results, then a line
+        per skipped part and per finding."""
         rows = ["| check | result | detail |", "|---|---|---|"]
         rows += [f"| {c.name} | {'ok' if c.ok else 'FAIL'} | {c.detail} |" for c in self.checks]
-        oracle = (
-            "no oracle"
-            if self.oracle_success is None
-            else f"oracle success {self.oracle_success:.2f} (reward {self.oracle_reward:.3f})"
-        )
-        rows.append("")
-        rows.append(
-            f"{oracle}; random success {self.random_success:.2f} "
-            f"(reward {self.random_reward:.3f}) over {self.num_tasks} tasks"
-        )
+        rows += ["", f"{_policy_line(self)} over {self.num_tasks} tasks", ""]
+        rows += [
+            "| probe | plays | tasks | reward | success | result |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in self.probes:
+            result = (
+                f"skipped: {p.skipped}" if p.skipped
+                else "FAIL" if p.failed
+                else "expected" if p.finding and p.expected
+                else "warning" if p.finding
+                else "ok"
+            )  # fmt: skip
+            rows.append(
+                f"| {p.name} | {p.plays} | {p.num_tasks} | {p.reward:.3f} | {p.success:.2f} "
+                f"| {result} |"
+            )
+        rows += [""] * bool(self.skipped or self.findings)
+        rows += [f"note: {s}" for s in self.skipped]
+        rows += [f"{'FAIL' if p.failed else 'warning'}: {p.warning()}" for p in self.findings]
         return "\n".join(rows)
+
+
+def _policy_line(report: EnvReport) -> str:
+    def rate(label: str, success: float | None, reward: float | None) -> str:
+        if success is None:
+            return f"no {label}"
+        return f"{label} success {success:.2f} (reward {reward or 0.0:.3f})"
+
+    return (
+        f"{rate('oracle', report.oracle_success, report.oracle_reward)}; "
+        f"{rate('random', report.random_success, report.random_reward)}"
+    )
 
 
 def check_env(spec: EnvSpec, *, num_tasks: int = 20, seed: int = 0) -> EnvReport:
@@ -101,64 +170,87 @@ def check_env(spec: EnvSpec, *, num_tasks: int = 20, seed: int = 0) -> EnvReport
 
 async def _check(spec: EnvSpec, num_tasks: int, seed: int) -> EnvReport:
     found: dict[str, list[str]] = {name: [] for name in CHECKS}
+    skipped: list[str] = []
     turn_limit = spec.card.turn_limit if isinstance(spec, HasCard) else None
     low, high = getattr(spec, "reward_range", (0.0, 1.0))
     try:
         found["tasks"] += _task_problems(spec, num_tasks)
     except Exception as exc:
         found["tasks"].append(f"building tasks raised {exc!r}")
+    clues = Clues()
+    try:
+        clues = Clues(answer_space(spec, ANSWER_SPACE_TASKS))
+    except Exception as exc:
+        found["tasks"].append(f"building training tasks raised {exc!r}")
     episodes: dict[str, list[Episode]] = {}
     tool_names: set[str] = set()
+    formatless = False
     steps = turn_limit + 1 if turn_limit else MAX_STEPS
     for index in range(num_tasks):
         task = spec.task(index, "test")
-        for label, make_policy in _policies(spec, task, seed=f"{seed}/{index}").items():
+        plays = {
+            label: (maker, 2)
+            for label, maker in (await _policies(spec, task, seed=f"{seed}/{index}")).items()
+        }
+        for probe in PROBES:
+            plays[f"probe {probe.name}"] = (_probe_maker(probe, task, clues), 1)
+        for label, (make_policy, num_runs) in plays.items():
             runs: list[Episode] = []
-            for _ in range(2):
+            for _ in range(num_runs):
                 env = spec.make_env()
-                policy = make_policy(env)
-                if policy is None:
-                    break
+                formatless |= env_format(env) is None
                 episode_seed = seed * 1_000_003 + index
                 try:
+                    policy = make_policy(env)
+                    if policy is None:
+                        break
                     runs.append(await play(env, task, policy, seed=episode_seed, max_steps=steps))
                 except Exception as exc:  # a crash is a finding, not the checker's crash
                     found["runs"].append(f"{label} policy, task {task.id}: {exc!r}")
                     break
-                schemas = env.tool_schemas()
-                # A format that lists tools in its own system prompt (search_r1, react)
-                # sends no schemas to the template; check the ToolEnv's tools themselves.
-                own = getattr(getattr(env, "tools", None), "schemas", None)
-                if isinstance(schemas, list) and not schemas and callable(own):
-                    schemas = own()
+                schemas = _tool_schemas(env)
                 found["schemas"] += _schema_problems(schemas)
-                tool_names |= {str(s.get("function", {}).get("name")) for s in schemas}
-            if len(runs) < 2:
+                if isinstance(schemas, list):
+                    tool_names |= {str(s.get("function", {}).get("name")) for s in schemas}
+            if len(runs) < num_runs:
                 continue
             where = f"{label} policy, task {task.id}"
-            if _transcript(runs[0]) != _transcript(runs[1]):
+            if num_runs == 2 and _transcript(runs[0]) != _transcript(runs[1]):
                 found["determinism"].append(f"{where}: the same seed gave a different episode")
             episode = runs[0]
             episodes.setdefault(label, []).append(episode)
             for check, problems in (
                 ("messages", _message_problems(episode)),
-                ("end flags", _flag_problems(episode, label, turn_limit)),
+                ("end flags", _flag_problems(episode, label, turn_limit, formatless)),
                 ("rewards", _reward_problems(episode, low, high)),
             ):
                 found[check] += [f"{where}: {p}" for p in problems]
+    if not isinstance(spec, HasOracle):
+        skipped.append("no oracle(task): the oracle check is skipped")
+    if not callable(getattr(spec, "demonstration", None)):
+        skipped.append("no demonstration(task, rng): the random policy is skipped")
+    if formatless:
+        skipped.append(
+            "the env has no format (turnrl.protocols.Format): the stalling policy writes "
+            "hermes calls, which may end an episode (not checked), and the probes answer in "
+            "plain text or the answer syntax the opening mentions"
+        )
     oracle = episodes.get("oracle", [])
     oracle_success = _rate(oracle, lambda e: float(e.success))
     required = _required_oracle_success(getattr(spec, "oracle_success", 1.0), num_tasks)
     if oracle_success is not None and oracle_success < required:
         found["oracle"].append(f"success {oracle_success:.3f} < required {required:.3f}")
-    played = sum(len(e) for e in episodes.values())
+    probes, found["probes"] = _probe_results(spec, episodes)
+    replayed = [label for label in episodes if not label.startswith("probe ")]
+    played = sum(len(episodes[label]) for label in replayed)
     ends = Counter(
         e.results[-1].info.get("truncated_reason", e.ended_by) if e.results else e.ended_by
         for e in episodes.get("stall", [])
     )
+    scored = [p.name for p in probes if p.finding]
     notes = {
         "tasks": f"{num_tasks} tasks x 2 splits, built twice; ids unique; seed matters",
-        "determinism": f"{played} episodes ({', '.join(episodes)}), each replayed",
+        "determinism": f"{played} episodes ({', '.join(replayed)}), each replayed",
         "schemas": f"tools: {', '.join(sorted(tool_names)) or 'none'}",
         "runs": "reset and step never raised",
         "messages": "opening and observations are role/content messages",
@@ -168,6 +260,8 @@ async def _check(spec: EnvSpec, num_tasks: int, seed: int) -> EnvReport:
         "oracle": "no oracle(task)"
         if oracle_success is None
         else f"success {oracle_success:.2f} >= {required:.2f}",
+        "probes": f"{len(probes)} probes, no unexpected success"
+        + (f"; scored: {', '.join(scored)} (see the warnings)" if scored else "; none scored"),
     }
     checks = tuple(
         Check(name, not problems, _detail(problems, notes[name]))
@@ -180,9 +274,70 @@ async def _check(spec: EnvSpec, num_tasks: int, seed: int) -> EnvReport:
         checks=checks,
         oracle_success=oracle_success,
         oracle_reward=_rate(oracle, lambda e: e.reward),
-        random_success=_rate(randoms, lambda e: float(e.success)) or 0.0,
-        random_reward=_rate(randoms, lambda e: e.reward) or 0.0,
+        random_success=_rate(randoms, lambda e: float(e.success)),
+        random_reward=_rate(randoms, lambda e: e.reward),
+        probes=probes,
+        skipped=tuple(skipped),
     )
+
+
+_NOT_PLAYED = {
+    "buried": "no task has a text answer (task.answer)",
+    "options": "no task shows two options or words",
+    "echo": "every prompt is empty",
+}
+
+
+def _probe_maker(probe: Probe, task: Task, clues: Clues) -> PolicyMaker:
+    return lambda env: probe_policy(probe, task, clues, env)
+
+
+def _probe_results(
+    spec: EnvSpec, episodes: dict[str, list[Episode]]
+) -> tuple[tuple[ProbeResult, ...], list[str]]:
+    """Each probe's result over the tasks it was played on, and the ``probes`` problems:
+    a success the env does not expect, an unknown name in ``expected_probes``."""
+    expected: dict[str, str] = dict(getattr(spec, "expected_probes", None) or {})
+    problems = [
+        f"expected_probes names unknown probe {name!r} (probes: "
+        f"{', '.join(p.name for p in PROBES)})"
+        for name in sorted(set(expected) - {p.name for p in PROBES})
+    ]
+    results: list[ProbeResult] = []
+    for probe in PROBES:
+        played = episodes.get(f"probe {probe.name}", [])
+        rewards = [e.reward for e in played] or [0.0]
+        result = ProbeResult(
+            name=probe.name,
+            plays=probe.plays,
+            fix=probe.fix,
+            num_tasks=len(played),
+            reward=sum(rewards) / len(rewards),
+            max_reward=max(rewards),
+            success=_rate(played, lambda e: float(e.success)) or 0.0,
+            expected=expected.get(probe.name),
+            skipped=None if played else _NOT_PLAYED.get(probe.name, "it applies to no task"),
+        )
+        results.append(result)
+        if result.failed:
+            problems.append(
+                f"probe {probe.name!r} ({probe.plays}) succeeded on "
+                f"{round(result.success * result.num_tasks)} of {result.num_tasks} tasks"
+            )
+    return tuple(results), problems
+
+
+def _tool_schemas(env: Env) -> Any:
+    """The env's tool schemas; for a format that lists tools in its own system prompt
+    (search_r1, react), which sends no schemas to the template, the ToolEnv's tools."""
+    method = getattr(env, "tool_schemas", None)
+    if not callable(method):
+        return None
+    schemas = method()
+    own = getattr(getattr(env, "tools", None), "schemas", None)
+    if isinstance(schemas, list) and not schemas and callable(own):
+        schemas = own()
+    return schemas
 
 
 def _detail(problems: list[str], note: str) -> str:
@@ -201,23 +356,31 @@ def _required_oracle_success(expected: float, n: int) -> float:
     return min(0.99, expected - 3.0 * math.sqrt(expected * (1.0 - expected) / n))
 
 
-def _policies(spec: EnvSpec, task: Task, *, seed: str) -> dict[str, PolicyMaker]:
+async def _policies(spec: EnvSpec, task: Task, *, seed: str) -> dict[str, PolicyMaker]:
     """The policies to play on ``task``, each made fresh per episode from its env."""
-
-    def random_policy(env: Env) -> Policy:
-        return replay(spec.demonstration(task, random.Random(seed)))
-
-    makers: dict[str, PolicyMaker] = {"random": random_policy, "stall": _stall_policy}
+    makers: dict[str, PolicyMaker] = {"stall": _stall_policy}
+    if callable(getattr(spec, "demonstration", None)):
+        try:
+            turns = spec.demonstration(task, random.Random(seed))
+            # a derived demonstration (turnrl.envs.custom) opens an env to read its tools
+            demonstration = await turns if inspect.isawaitable(turns) else turns
+            makers["random"] = lambda env: replay(demonstration)
+        except Exception as exc:  # reported on the "runs" row, as the policy's crash
+            makers["random"] = functools.partial(_raise, exc)
     if isinstance(spec, HasOracle):
         oracle = spec
         makers["oracle"] = lambda env: oracle.oracle(task)
     return makers
 
 
+def _raise(exc: Exception, env: Env) -> Policy | None:
+    raise exc
+
+
 def _stall_policy(env: Env) -> Policy | None:
-    """Every turn, a call to a tool that does not exist, in the env's own call format."""
-    fmt = getattr(env, "format", None)
-    fmt = fmt if isinstance(fmt, Format) else get_format("hermes")
+    """Every turn, a call to a tool that does not exist, in the env's own call format
+    (hermes where it has none)."""
+    fmt = env_format(env) or get_format("hermes")
     try:
         text = fmt.render_call(ToolCall("no_such_tool", {}))
     except ValueError:
@@ -254,6 +417,8 @@ def _task_problems(spec: EnvSpec, num_tasks: int) -> list[str]:
 
 
 def _schema_problems(schemas: Any) -> list[str]:
+    if schemas is None:
+        return ["the env has no tool_schemas() method (see turnrl.protocols.Env)"]
     if not isinstance(schemas, list):
         return [f"tool_schemas() must return a list, got {type(schemas).__name__}"]
     problems: list[str] = []
@@ -319,7 +484,9 @@ def _message_problems(episode: Episode) -> list[str]:
     ]
 
 
-def _flag_problems(episode: Episode, label: str, turn_limit: int | None) -> list[str]:
+def _flag_problems(
+    episode: Episode, label: str, turn_limit: int | None, formatless: bool
+) -> list[str]:
     problems = []
     for turn, result in enumerate(episode.results, 1):
         if result.terminated and result.truncated:
@@ -328,7 +495,8 @@ def _flag_problems(episode: Episode, label: str, turn_limit: int | None) -> list
             problems.append(f"turn {turn}: terminated without a bool info['success']")
         if result.truncated and result.info.get("success"):
             problems.append(f"turn {turn}: truncated but reported success")
-    if label == "stall" and episode.ended_by == "terminated":
+    # without its own format, an env may read the hermes call as its final answer
+    if label == "stall" and episode.ended_by == "terminated" and not formatless:
         problems.append("calls to an unknown tool ended the episode as terminated")
     if turn_limit is not None:
         if len(episode.results) > turn_limit or episode.ended_by == "max_steps":

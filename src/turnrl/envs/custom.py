@@ -90,14 +90,27 @@ class Environment:
 
 def as_environment(spec: Any) -> Any:
     """``spec`` with ``demonstration`` and ``corpus``: as it is if it has both, else an
-    ``Environment`` over its ``task`` and ``make_env``."""
+    ``Environment`` over its ``task`` and ``make_env`` that passes every other attribute
+    (``oracle``, ``card``, ``reward_range``, ...) through to ``spec``."""
     if callable(getattr(spec, "demonstration", None)) and callable(getattr(spec, "corpus", None)):
         return spec
     given = getattr(spec, "demonstration", None)
-    return Environment(
+    return _Completed(
         tasks=spec.task, env=spec.make_env, name=str(getattr(spec, "name", "custom")),
-        demonstrate=given if callable(given) else None,
+        demonstrate=given if callable(given) else None, source=spec,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Completed(Environment):
+    """A user's family with the derived parts added; the rest is the user's own."""
+
+    source: Any = None
+
+    def __getattr__(self, name: str) -> Any:  # only for what Environment does not have
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.source, name)
 
 
 async def default_demonstration(make_env: Callable[[], Env], task: Task, seed: int) -> list[str]:

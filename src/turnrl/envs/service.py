@@ -268,6 +268,7 @@ class ServiceEnv:
         self.db: dict[str, Any] = copy.deepcopy(dict(task.metadata["db"]))
         self.goal: dict[str, str] = dict(task.metadata["goal"])
         self.authenticated: str | None = None
+        self.checked: set[str] = set()  # orders whose status the agent saw, owner authenticated
         self.confirmed = False  # the user's latest message said yes
         self.violations: list[str] = []
         self.turns = self.calls = 0
@@ -335,8 +336,13 @@ class ServiceEnv:
             "address": order["address"] == g["address"],
             "cancel_delivered": False,
         }[g["intent"]]
-        refused = g["intent"] == "cancel_delivered" and any(
-            w in text for w in ("cannot", "can't", "unable", "not able", "only pending")
+        # A refusal counts once the agent has authenticated the user and read the order it
+        # refuses: a policy that says "I cannot" to everything is not following the policy
+        # (``turnrl envs check``'s echo probe won every refusal task before this).
+        refused = (
+            g["intent"] == "cancel_delivered"
+            and g["order"] in self.checked
+            and any(w in text for w in ("cannot", "can't", "unable", "not able", "only pending"))
         )
         if done or refused:
             return STOP
@@ -407,6 +413,8 @@ class ServiceEnv:
             if order_id not in db["orders"]:
                 raise LookupError(f"no order {order_id!r}")
             o = db["orders"][order_id]
+            if self.authenticated is not None and o["customer"] == self.authenticated:
+                self.checked.add(order_id)  # read for its owner: a refusal may now rest on it
             return {"order_id": order_id, "items": o["items"], "status": o["status"],
                     "address": o["address"]}  # fmt: skip
 
@@ -435,6 +443,8 @@ class ServiceEnv:
                 raise ValueError(f"reason must be one of: {', '.join(REASONS)}")
             order = guarded(order_id, "cancel")
             if order["status"] != "pending":
+                if order["customer"] == self.authenticated:
+                    self.checked.add(order_id)  # the refusal now rests on what the store said
                 raise ValueError(
                     f"order {order_id} is {order['status']}; only pending orders can be cancelled"
                 )

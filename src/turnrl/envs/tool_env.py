@@ -5,6 +5,10 @@ the observation; a turn the format cannot parse comes back as a precise error ob
 (the model reads it and may fix its call); a turn with no call is the final answer, which
 the verifier scores, ending the episode. A tool that raises, times out or does not exist
 is an observation too (DESIGN.md invariant 4).
+
+``toolset_from`` turns the tool shapes users already have (a ``ToolSet``, a list of typed
+functions or ``Tool``s, OpenAI ``(schema, fn)`` pairs) into a ``ToolSet``; ``ToolEnv``
+takes any of them, or a per-task factory returning one.
 """
 
 from __future__ import annotations
@@ -12,23 +16,47 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias, cast
 
+from turnrl.errors import ToolDefinitionError
 from turnrl.formats import error_observation
 from turnrl.protocols import Format, ToolSchema
 from turnrl.rewards import Verdict
 from turnrl.rewards.composite import CompositeReward, gold_calls
-from turnrl.tools import ToolSet
+from turnrl.tools import Tool, ToolSet
 from turnrl.types import Message, StepResult, Task, ToolCall, ToolCallRecord
 
 Verifier = Callable[[Task, str], Verdict | Awaitable[Verdict]]
+
+OpenAITool: TypeAlias = tuple[ToolSchema, Callable[..., Any]]
+"""An OpenAI function schema (``{"type": "function", "function": {"name", "description",
+"parameters"}}``) with the Python function that implements it."""
+
+ToolItem: TypeAlias = Tool | Callable[..., Any] | OpenAITool
+"""One entry of a tool list: a ``Tool``, a typed function (schema from its signature and
+docstring, as ``@tool`` builds it) or an ``OpenAITool`` pair."""
+
+ToolList: TypeAlias = ToolSet | list[ToolItem] | tuple[ToolItem, ...]
+
+Tools: TypeAlias = ToolList | Callable[[Task], ToolList | Awaitable[ToolList]]
+"""What ``ToolEnv`` accepts as ``tools``: a ``ToolList``, or a function of the task
+(sync or async) returning one, called at every ``reset``."""
+
+_ACCEPTED = (
+    "a ToolSet; a list of typed functions, Tools or OpenAI (schema, fn) pairs; or a "
+    "function of the task returning one of those"
+)
 
 
 class ToolEnv:
     """A multi-turn tool-use episode. Make one instance per episode.
 
-    ``tools`` is a ToolSet, or a function (sync or async) building one from the task (tools
-    that close over per-task state; an MCP server's ``toolset``, which opens a session). ``max_tool_calls`` bounds calls per episode and
+    ``tools`` (see ``Tools``) is a ToolSet or a list of tools (typed functions, ``Tool``s,
+    OpenAI ``(schema, fn)`` pairs, mixed freely), or a function (sync or async) building
+    one from the task (tools that close over per-task state; an MCP server's ``toolset``,
+    which opens a session). Anything else is a ``TypeError`` here, at construction; a
+    list's bad entry (an untyped function, a malformed schema) is a ``ToolDefinitionError``
+    (a ``TypeError`` too). ``max_tool_calls`` bounds calls per episode and
     ``max_calls_per_turn`` calls in one turn; a call beyond a budget gets an error
     observation instead of running (recorded with error ``"budget"``). The calls of one
     turn run concurrently; their results come back in the order they were made.
@@ -39,7 +67,7 @@ class ToolEnv:
 
     def __init__(
         self,
-        tools: ToolSet | Callable[[Task], ToolSet | Awaitable[ToolSet]],
+        tools: Tools,
         format: Format,
         verifier: Verifier,
         *,
@@ -48,7 +76,7 @@ class ToolEnv:
         max_calls_per_turn: int | None = None,
         reward: CompositeReward | None = None,
     ) -> None:
-        self._tools_for = tools if callable(tools) else (lambda _task: tools)
+        self._tools_for = _tools_factory(tools)
         self.format = format
         self.verifier = verifier
         self.system_prompt = system_prompt
@@ -70,7 +98,7 @@ class ToolEnv:
     async def reset(self, task: Task, seed: int) -> list[Message]:
         self.task = task
         tools = self._tools_for(task)
-        self.tools = await tools if inspect.isawaitable(tools) else tools
+        self.tools = toolset_from(await tools if inspect.isawaitable(tools) else tools)
         self.num_tool_calls = 0
         self.calls = []
         self.format_errors = 0
@@ -143,3 +171,118 @@ class ToolEnv:
     async def close(self) -> None:
         """Release the episode's tools (sandboxes, sessions); safe to call twice."""
         await self.tools.close()
+
+
+def toolset_from(tools: ToolList) -> ToolSet:
+    """``tools`` as a ``ToolSet``: a ToolSet as it is; a list (or tuple) of typed functions,
+    ``Tool``s and OpenAI ``(schema, fn)`` pairs, each made a ``Tool``. Raises ``TypeError``
+    for anything else, ``ToolDefinitionError`` for a bad entry (both say what is wrong)."""
+    if isinstance(tools, ToolSet):
+        return tools
+    if isinstance(tools, Tool):
+        raise _single_tool(tools)
+    if _is_pair(tools):
+        raise TypeError("tools: got one (schema, fn) pair; pass a list of pairs: [(schema, fn)]")
+    if not isinstance(tools, (list, tuple)):
+        raise TypeError(f"tools must be {_ACCEPTED}; got {type(tools).__name__}")
+    return ToolSet([_tool_from(item, k) for k, item in enumerate(tools)])
+
+
+def _tools_factory(tools: Tools) -> Callable[[Task], ToolList | Awaitable[ToolList]]:
+    """The per-task tool factory ``ToolEnv.reset`` calls; a fixed list becomes a ToolSet
+    now, so a bad list fails at construction rather than in every episode."""
+    if isinstance(tools, Tool):
+        raise _single_tool(tools)
+    if isinstance(tools, (ToolSet, list, tuple)):
+        fixed = toolset_from(tools)
+        return lambda _task: fixed
+    if not callable(tools):
+        raise TypeError(f"tools must be {_ACCEPTED}; got {type(tools).__name__}")
+    name = getattr(tools, "__qualname__", type(tools).__name__)
+    try:
+        inspect.signature(tools).bind(None)
+    except TypeError:
+        raise TypeError(
+            f"tools: {name} is neither a list nor a factory taking the task (one argument); "
+            f"for a single tool pass a list: [{name}]"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): trust the caller
+        return tools
+    try:
+        Tool.from_function(tools)
+    except ToolDefinitionError:  # not a tool's signature (untyped, or a Task): a factory
+        return tools
+    raise TypeError(
+        f"tools: {name} looks like a tool (its argument is typed for the model), not a "
+        f"factory of the task; pass a list: [{name}]"
+    )
+
+
+def _single_tool(tool: Tool) -> TypeError:
+    return TypeError(f"tools: got a single Tool {tool.name!r}; pass a list: [{tool.name}]")
+
+
+def _is_pair(item: object) -> bool:
+    return (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], dict)
+        and callable(item[1])
+    )
+
+
+def _tool_from(item: object, index: int) -> Tool:
+    if isinstance(item, Tool):
+        return item
+    if _is_pair(item):
+        schema, fn = cast(OpenAITool, item)
+        return _openai_tool(schema, fn, index)
+    if isinstance(item, dict):
+        raise TypeError(
+            f"tools[{index}]: an OpenAI schema needs its implementation: pass (schema, fn)"
+        )
+    if isinstance(item, ToolSet) or not callable(item):
+        raise TypeError(
+            f"tools[{index}]: expected a typed function, a Tool or an OpenAI (schema, fn) "
+            f"pair; got {type(item).__name__}"
+        )
+    return Tool.from_function(item)
+
+
+def _openai_tool(schema: dict[str, Any], fn: Callable[..., Any], index: int) -> Tool:
+    """A ``Tool`` with ``schema``'s name, description and parameters that runs ``fn``."""
+    function = schema.get("function")
+    if schema.get("type") != "function" or not isinstance(function, dict):
+        raise ToolDefinitionError(
+            f"tools[{index}]: an OpenAI tool schema is "
+            '{"type": "function", "function": {"name", "description", "parameters"}}; '
+            f"got keys {sorted(schema)}"
+        )
+    name = function.get("name")
+    if not isinstance(name, str):
+        raise ToolDefinitionError(f'tools[{index}]: the schema\'s "function" has no "name"')
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ToolDefinitionError(f"tools[{index}] {name}: parameters must be a JSON schema object")
+    _check_arguments(fn, parameters, f"tools[{index}] {name}")
+    description = str(function.get("description", ""))
+    return Tool(fn, name=name, description=description, parameters=parameters)
+
+
+def _check_arguments(fn: Callable[..., Any], parameters: dict[str, Any], where: str) -> None:
+    """The schema's properties are arguments ``fn`` takes, and ``fn``'s required arguments
+    are in the schema: otherwise every call would fail with a TypeError."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the calls will tell
+        return
+    params = signature.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    properties = set(parameters.get("properties", {}))
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    needed = {p.name for p in params if p.default is p.empty and p.name in named}
+    if extra := sorted(properties - named):
+        raise ToolDefinitionError(f"{where}: the function takes no argument(s) {extra}")
+    if missing := sorted(needed - properties):
+        raise ToolDefinitionError(f"{where}: the schema lacks required argument(s) {missing}")

@@ -24,8 +24,8 @@ class BatchingClient:
 
     A batch is sent as soon as every live episode is waiting for the model, or when the
     others stop making progress (they wait on a slow tool), so a slow tool delays nobody.
-    Requests inside a batch are ordered by arrival. A backend with ``submit`` (continuous
-    batching, ``TorchBackend.run``) answers each request as soon as it is done, and pauses
+    Requests inside a batch are ordered by arrival. A backend whose ``submit`` takes them
+    (continuous batching, ``TorchBackend.run``) answers each request as soon as it is done, and pauses
     until this client is ``quiet`` again, so follow-up requests join at the same decode
     step on every run; others answer a batch at once.
     """
@@ -55,8 +55,7 @@ class BatchingClient:
             await asyncio.sleep(0)
             idle = 0 if len(self._pending) > before else idle + 1
         batch, self._pending = self._pending, []
-        submit = getattr(self.backend, "submit", None)
-        futures = submit([r for r, _ in batch], self.quiet) if submit is not None else None
+        futures = self.backend.submit([r for r, _ in batch], self.quiet)
         if futures is not None:  # a continuous-batching backend settles each on its own
             for (_, future), done in zip(batch, futures, strict=True):
                 _chain(done, future)

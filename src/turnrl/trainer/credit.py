@@ -1,6 +1,6 @@
 """Credit assignment for the loop: from episode rewards to the advantage of every token.
 
-Two shapes of estimator:
+Three shapes of estimator:
 
 - *group* estimators (GRPO, Dr. GRPO, RLOO) give each trajectory one advantage, compared
   within the G trajectories of its task (``group_advantages``);
@@ -12,24 +12,29 @@ Two shapes of estimator:
   ids the policy saw before the turn.
 
 ``token_advantages`` spreads per-turn values over a trajectory's samples, token-aligned
-with ``Trajectory.samples``.
+with ``Trajectory.samples``; PPO's critic gets token rewards instead (``token_rewards``).
+Each is the trainer's view of a pure function of ``turnrl.algorithms``, which does the
+math; ``ESTIMATORS`` names them for ``algorithm.advantage``, resolved once at start-up.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from turnrl.algorithms import (
-    discounted_step_returns,
     dr_grpo_advantages,
+    gigpo_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     rloo_advantages,
-    step_group_advantages,
 )
+from turnrl.trainer.config import AlgorithmConfig
 from turnrl.types import Trajectory
 
 ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -95,48 +100,68 @@ def reinforce_pp_sample_advantages(
     kl: Mapping[int, list[list[float]]] | None = None,
     kl_coef: float = 0.0,
 ) -> list[list[SampleValues]]:
-    """REINFORCE++ advantage of every sampled token (ALGORITHMS.md), per sample.
+    """REINFORCE++ advantage of every sampled token (ALGORITHMS.md), per sample:
+    ``reinforce_pp_advantages`` (or, with ``baseline``, ``reinforce_pp_baseline_advantages``)
+    on the batch laid out as one row per member, its samples' tokens back to back.
 
     The reward is paid on a trajectory's last sampled token; with ``kl`` (per sample, per
     token, keyed by ``id(trajectory)``) each sampled token also pays ``-kl_coef * KL_t``
-    (the KL in the reward, as in the paper). The return of a token sums what is paid from
-    it on, over sampled tokens only (tool output is skipped); the returns are whitened over
-    every sampled token of the batch (``reinforce_pp_advantages``), so without a KL every
-    token of a trajectory has the same advantage and long trajectories weigh more in the
-    batch mean. ``baseline`` first subtracts each group's mean reward
-    (REINFORCE++-baseline). Errored members take no part and get 0.
+    (the KL in the reward, as in the paper). Returns run over sampled tokens only and are
+    whitened over every sampled token of the batch. Errored members take no part and get
+    0: their row has no sampled token, and with ``baseline`` their reward slot holds their
+    group's mean over the other members, so the mean subtracted is theirs alone.
     """
+    if not groups:
+        return []
     rewards = batch_rewards(groups, shuffle_seed)
+    group_size = _one_group_size(groups, "REINFORCE++")
     out: list[list[SampleValues]] = [[[0.0] * len(t.samples()) for t in g] for g in groups]
-    rows: list[tuple[int, int, float, list[int], list[float]]] = []
-    for g, (group, group_rewards) in enumerate(zip(groups, rewards, strict=True)):
-        valid = [i for i, t in enumerate(group) if t.error is None and t.turns]
-        mean = sum(group_rewards[i] for i in valid) / len(valid) if valid else 0.0
-        for i in valid:
-            traj = group[i]
-            mask = [m for s in traj.samples() for m in s.loss_mask]
-            kl_row = [x for part in kl[id(traj)] for x in part] if kl else [0.0] * len(mask)
-            value = group_rewards[i] - mean if baseline else group_rewards[i]
-            rows.append((g, i, value, mask, kl_row))
-    if not rows:
-        return out
-    width = max(len(mask) for *_, mask, _ in rows)
-    mask_t = torch.zeros(len(rows), width, dtype=torch.bool)
-    kl_t = torch.zeros(len(rows), width, dtype=torch.float64)
-    for r, (*_, mask, kl_row) in enumerate(rows):
+    masks: list[list[int]] = []
+    kls: list[list[float]] = []
+    slots: list[list[float]] = []  # [P, G] rewards as the estimator reads them
+    for group, group_rewards in zip(groups, rewards, strict=True):
+        valid = [t.error is None and bool(t.turns) for t in group]
+        kept = [r for r, ok in zip(group_rewards, valid, strict=True) if ok]
+        stand_in = sum(kept) / len(kept) if kept else 0.0
+        slots.append([r if ok else stand_in for r, ok in zip(group_rewards, valid, strict=True)])
+        for traj, ok in zip(group, valid, strict=True):
+            mask = [m for s in traj.samples() for m in s.loss_mask] if ok else []
+            masks.append(mask)
+            kls.append(
+                [x for part in kl[id(traj)] for x in part] if kl and ok else [0.0] * len(mask)
+            )
+    width = max(1, max(len(m) for m in masks))
+    mask_t = torch.zeros(len(masks), width, dtype=torch.bool)
+    kl_t = torch.zeros(len(masks), width, dtype=torch.float64)
+    for r, (mask, kl_row) in enumerate(zip(masks, kls, strict=True)):
         mask_t[r, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
         kl_t[r, : len(kl_row)] = torch.tensor(kl_row, dtype=torch.float64)
-    values = torch.tensor([v for _, _, v, _, _ in rows], dtype=torch.float64)
-    adv = reinforce_pp_advantages(values, mask_t, kl=kl_t, kl_coef=kl_coef)
-    for r, (g, i, _, mask, _) in enumerate(rows):
-        flat = adv[r, : len(mask)].tolist()
-        pieces: SampleValues = []
-        start = 0
-        for sample in groups[g][i].samples():
-            pieces.append(flat[start : start + len(sample.input_ids)])
-            start += len(sample.input_ids)
-        out[g][i] = pieces
+    values = torch.tensor(slots, dtype=torch.float64)  # [P, G]
+    if baseline:
+        adv = reinforce_pp_baseline_advantages(values, mask_t, kl=kl_t, kl_coef=kl_coef)
+    else:
+        adv = reinforce_pp_advantages(values.reshape(-1), mask_t, kl=kl_t, kl_coef=kl_coef)
+    for g, group in enumerate(groups):
+        for i, traj in enumerate(group):
+            mask = masks[g * group_size + i]
+            if not mask:
+                continue
+            flat = adv[g * group_size + i, : len(mask)].tolist()
+            pieces: SampleValues = []
+            start = 0
+            for sample in traj.samples():
+                pieces.append(flat[start : start + len(sample.input_ids)])
+                start += len(sample.input_ids)
+            out[g][i] = pieces
     return out
+
+
+def _one_group_size(groups: Sequence[Sequence[Trajectory]], what: str) -> int:
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"{what} needs groups of one size, got sizes {sorted(sizes)}")
+    (size,) = sizes
+    return size
 
 
 def turn_contexts(trajectory: Trajectory) -> list[tuple[int, ...]]:
@@ -160,53 +185,39 @@ def gigpo_turn_advantages(
     shuffle_seed: int | None = None,
 ) -> list[list[list[float]]]:
     """GiGPO advantage of every turn of every trajectory, ``[group][member][turn]``:
-    A_episode + omega * A_step (ALGORITHMS.md "GiGPO"; the algorithms' ``gigpo_advantages``
-    on the same layout, except that errored members are left out of both levels).
+    ``gigpo_advantages`` (A_episode + omega * A_step, ALGORITHMS.md "GiGPO") on each
+    group's members without an error, one row per member and one column per turn.
 
     All groups must have the same size G (the rollout's group size). The reward is given at
-    the last turn; errored trajectories take no part (their turns get 0). Anchor states are
-    exact: two turns of one task share an anchor when the token contexts before them are
-    equal (e.g. the same question and the same tool output).
+    the last turn; errored trajectories take no part in either level (their turns get 0).
+    Anchor states are exact: two turns of one task share an anchor when the token contexts
+    before them are equal (e.g. the same question and the same tool output).
     """
     if not groups:
         return []
-    sizes = {len(g) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"GiGPO needs groups of one size, got sizes {sorted(sizes)}")
-    (group_size,) = sizes
-    # Episode level: GRPO over each group's valid members (the errored ones get 0), on the
-    # same (possibly shuffled) rewards as the step level.
-    episode = group_advantages(groups, shuffle_seed=shuffle_seed, estimator="grpo")
+    _one_group_size(groups, "GiGPO")
     rewards = batch_rewards(groups, shuffle_seed)
-    flat = [t for g in groups for t in g]
-    flat_rewards = [r for g in rewards for r in g]
-    steps = max((len(t.turns) for t in flat), default=0)
-    step_rewards = torch.zeros(len(flat), max(steps, 1), dtype=torch.float64)
-    step_mask = torch.zeros_like(step_rewards, dtype=torch.bool)
-    anchors = torch.zeros_like(step_rewards, dtype=torch.long)
-    ids: dict[tuple[int, ...], int] = {}
-    for row, (traj, reward) in enumerate(zip(flat, flat_rewards, strict=True)):
-        if traj.error is not None or not traj.turns:
-            continue
-        n = len(traj.turns)
-        step_mask[row, :n] = True
-        step_rewards[row, n - 1] = reward
-        for s, context in enumerate(turn_contexts(traj)):
-            anchors[row, s] = ids.setdefault(context, len(ids))
-    returns = discounted_step_returns(step_rewards, step_mask, gamma=gamma)
-    step = step_group_advantages(returns, anchors, step_mask, group_size=group_size)
     out: list[list[list[float]]] = []
-    for g, group in enumerate(groups):
-        members: list[list[float]] = []
-        for i, traj in enumerate(group):
-            row = g * group_size + i
-            valid = traj.error is None
-            members.append(
-                [
-                    episode[g][i] + omega * float(step[row, s]) if valid else 0.0
-                    for s in range(len(traj.turns))
-                ]
+    for group, group_rewards in zip(groups, rewards, strict=True):
+        members = [[0.0] * len(t.turns) for t in group]
+        valid = [i for i, t in enumerate(group) if t.error is None and t.turns]
+        if valid:
+            steps = max(len(group[i].turns) for i in valid)
+            step_rewards = torch.zeros(len(valid), steps, dtype=torch.float64)  # [G', S]
+            step_mask = torch.zeros_like(step_rewards, dtype=torch.bool)
+            anchors = torch.zeros_like(step_rewards, dtype=torch.long)
+            ids: dict[tuple[int, ...], int] = {}
+            for row, i in enumerate(valid):
+                n = len(group[i].turns)
+                step_mask[row, :n] = True
+                step_rewards[row, n - 1] = group_rewards[i]
+                for k, context in enumerate(turn_contexts(group[i])):
+                    anchors[row, k] = ids.setdefault(context, len(ids))
+            adv = gigpo_advantages(
+                step_rewards, anchors, step_mask, group_size=len(valid), gamma=gamma, omega=omega
             )
+            for row, i in enumerate(valid):
+                members[i] = adv[row, : len(group[i].turns)].tolist()
         out.append(members)
     return out
 
@@ -229,3 +240,114 @@ def token_advantages(trajectory: Trajectory, turn_values: Sequence[float]) -> li
     if current:
         out.append(current)
     return out
+
+
+KL = Mapping[int, list[list[float]]]
+"""Per trajectory (keyed by ``id``), per sample, per token: the KL to the reference when it
+is paid in the reward; empty when it is not."""
+
+
+def token_rewards(
+    groups: Sequence[Sequence[Trajectory]], kl: KL, kl_coef: float, shuffle_seed: int | None
+) -> list[list[SampleValues]]:
+    """PPO's input to the critic: per-token rewards of each sample (the reward on the last
+    sampled token of the last sample, minus ``kl_coef`` x the KL on every sampled token when
+    the KL is in the reward). The learner's critic and GAE turn them into advantages."""
+    rewards = batch_rewards(groups, shuffle_seed)
+    out: list[list[SampleValues]] = []
+    for group, group_rewards in zip(groups, rewards, strict=True):
+        members: list[SampleValues] = []
+        for traj, reward in zip(group, group_rewards, strict=True):
+            pieces = traj.samples()
+            values: SampleValues = []
+            for k, sample in enumerate(pieces):
+                trajectory_kl = kl.get(id(traj))
+                row = (
+                    [-kl_coef * x for x in trajectory_kl[k]]
+                    if trajectory_kl
+                    else [0.0] * len(sample.input_ids)
+                )
+                if k == len(pieces) - 1 and traj.error is None:
+                    last = max((i for i, m in enumerate(sample.loss_mask) if m), default=None)
+                    if last is not None:
+                        row[last] += reward
+                values.append(row)
+            members.append(values)
+        out.append(members)
+    return out
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One ``algorithm.advantage`` choice: how a step's groups become per-sample values."""
+
+    assign: Callable[
+        [AlgorithmConfig, Sequence[Sequence[Trajectory]], KL, int | None], list[list[SampleValues]]
+    ]
+    """(algorithm, groups, KL in the reward, shuffle seed) -> ``[group][member][sample]``
+    values: an advantage per sample or per token, or (``critic``) token rewards."""
+    token_kl: bool = False
+    """A KL in the reward is paid token by token (else summed into the episode's reward)."""
+    critic: bool = False
+    """The values are token rewards for a critic (PPO's GAE), not advantages."""
+
+
+def _per_sample(
+    values: list[list[float]], groups: Sequence[Sequence[Trajectory]]
+) -> list[list[SampleValues]]:
+    """One value per trajectory, repeated for each of its samples."""
+    return [
+        [[a] * len(t.samples()) for t, a in zip(g, gv, strict=True)]
+        for g, gv in zip(groups, values, strict=True)
+    ]
+
+
+def _group(name: str) -> Estimator:
+    return Estimator(
+        lambda _algo, groups, _kl, shuffle: _per_sample(
+            group_advantages(groups, shuffle_seed=shuffle, estimator=name), groups
+        )
+    )
+
+
+def _gigpo(
+    algo: AlgorithmConfig, groups: Sequence[Sequence[Trajectory]], _kl: KL, shuffle: int | None
+) -> list[list[SampleValues]]:
+    turns = gigpo_turn_advantages(
+        groups, gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, shuffle_seed=shuffle
+    )
+    return [
+        [list(token_advantages(t, v)) for t, v in zip(g, gv, strict=True)]
+        for g, gv in zip(groups, turns, strict=True)
+    ]
+
+
+def _reinforce_pp(baseline: bool) -> Estimator:
+    return Estimator(
+        lambda algo, groups, kl, shuffle: reinforce_pp_sample_advantages(
+            groups,
+            baseline=baseline,
+            shuffle_seed=shuffle,
+            kl=kl or None,
+            kl_coef=algo.kl_coef if kl else 0.0,
+        ),
+        token_kl=True,
+    )
+
+
+ESTIMATORS: Mapping[str, Estimator] = MappingProxyType(
+    {
+        "grpo": _group("grpo"),
+        "dr_grpo": _group("dr_grpo"),
+        "rloo": _group("rloo"),
+        "gigpo": Estimator(_gigpo),
+        "reinforce_pp": _reinforce_pp(baseline=False),
+        "reinforce_pp_baseline": _reinforce_pp(baseline=True),
+        "gae": Estimator(
+            lambda algo, groups, kl, shuffle: token_rewards(groups, kl, algo.kl_coef, shuffle),
+            token_kl=True,
+            critic=True,
+        ),
+    }
+)
+"""Every ``algorithm.advantage`` by name; the trainer picks one at start-up."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from turnrl.algorithms import (
     KL_ESTIMATORS,
     PolicyLossOutput,
     clipped_policy_loss,
+    decoupled_policy_loss,
     gae_advantages,
     gspo_policy_loss,
     masked_mean,
@@ -85,6 +86,12 @@ class Learner:
         )
         self.critic = Critic(model, config) if config.advantage == "gae" else None
         self.token_budget = config.micro_batch_tokens or auto_token_budget(model)
+        # Each choice resolved once, here (DESIGN.md invariant 5).
+        self.reduction = REDUCTIONS[config.loss_reduction]
+        self.policy_loss = POLICY_LOSSES[config.policy_loss]
+        self.correction = CORRECTIONS[config.off_policy]
+        if config.policy_loss == "ppo" and config.off_policy == "token_tis":
+            self.policy_loss, self.correction = _decoupled_ppo, _no_correction
 
     def step_samples(
         self,
@@ -153,7 +160,10 @@ class Learner:
         return out
 
     def step_samples_gae(
-        self, samples: Sequence[Sample], token_rewards: Sequence[Sequence[float]], pad_id: int
+        self,
+        samples: Sequence[Sample],
+        token_rewards: Sequence[float | Sequence[float]],
+        pad_id: int,
     ) -> dict[str, float]:
         """PPO: one update from samples and each sample's per-token rewards (the reward on
         the last sampled token, a KL penalty on each when it is in the reward). The critic
@@ -162,6 +172,8 @@ class Learner:
         then the critic steps on the returns."""
         if self.critic is None:
             raise ConfigError("step_samples_gae needs algorithm.advantage = 'gae'")
+        if any(isinstance(r, float) for r in token_rewards):
+            raise ValueError("step_samples_gae takes one reward per token of each sample")
         cfg = self.config
         # Packed with the token rewards in the advantages slot; GAE replaces them below.
         chunks = self._chunks(samples, token_rewards, pad_id)
@@ -232,16 +244,7 @@ class Learner:
         self, per_token: torch.Tensor, mask: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """The configured reduction with the whole batch's normaliser (exact accumulation)."""
-        num_tokens, num_seqs = norms
-        match self.config.loss_reduction:
-            case "token_mean":
-                return token_mean(per_token, mask, num_tokens)
-            case "seq_mean_token_mean":
-                return seq_mean_token_mean(per_token, mask, num_seqs)
-            case "seq_mean_token_sum":
-                return seq_mean_token_sum(per_token, mask, num_seqs)
-            case "seq_mean_token_sum_norm":
-                return seq_mean_token_sum_norm(per_token, mask, float(self.max_length))
+        return self.reduction(per_token, mask, norms, float(self.max_length))
 
     def _policy_loss(
         self, logprobs: torch.Tensor, proximal: torch.Tensor, mb: Batch
@@ -254,36 +257,9 @@ class Learner:
         the off-policy correction (``off_policy``), which reweights or masks by
         pi_proximal / pi_sampler.
         """
-        cfg = self.config
-        mask = mb.loss_mask
         adv = mb.advantages if mb.advantages.ndim == 2 else mb.advantages[:, None]
-        if cfg.policy_loss == "gspo":
-            seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mask)
-            out = gspo_policy_loss(
-                logprobs, proximal, seq_adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
-            )
-        else:
-            out = clipped_policy_loss(
-                logprobs, proximal, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                dual_clip=cfg.dual_clip or None,
-            )  # fmt: skip
-        metrics: dict[str, torch.Tensor] = {}
-        match cfg.off_policy:
-            case "token_tis":
-                w = token_tis_weights(proximal, mb.old_logprobs, mask, cap=cfg.tis_cap)
-                out = _reweighted(out, w.weights, mask)
-                metrics = w.metrics
-            case "sequence_tis":
-                w = sequence_tis_weights(proximal, mb.old_logprobs, mask, cap=cfg.tis_cap)
-                out = _reweighted(out, w.weights, mask)
-                metrics = w.metrics
-            case "sequence_mask":
-                keep = sequence_ratio_mask(proximal, mb.old_logprobs, mask, max_ratio=cfg.tis_cap)
-                mask = mask & keep.keep[:, None]
-                metrics = keep.metrics
-            case "none":
-                pass
-        return out, mask, metrics
+        out = self.policy_loss(logprobs, proximal, mb.old_logprobs, adv, mb, self.config)
+        return self.correction(out, proximal, mb, self.config)
 
     def _pass(
         self,
@@ -386,3 +362,102 @@ def _reweighted(
     """The per-token loss times detached importance weights (``[B, T]`` or ``[B, 1]``)."""
     loss = torch.where(mask, out.per_token_loss * weights.detach(), 0.0)
     return PolicyLossOutput(per_token_loss=loss, clipped=out.clipped, ratio=out.ratio)
+
+
+Norms = tuple[torch.Tensor, torch.Tensor]
+"""The whole batch's (sampled tokens, sequences with a sampled token)."""
+
+REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Norms, float], torch.Tensor]] = {
+    "token_mean": lambda x, mask, norms, _: token_mean(x, mask, norms[0]),
+    "seq_mean_token_mean": lambda x, mask, norms, _: seq_mean_token_mean(x, mask, norms[1]),
+    "seq_mean_token_sum": lambda x, mask, norms, _: seq_mean_token_sum(x, mask, norms[1]),
+    "seq_mean_token_sum_norm": lambda x, mask, _, length: seq_mean_token_sum_norm(x, mask, length),
+}
+"""``algorithm.loss_reduction``: per-token values to the batch's loss (ALGORITHMS.md)."""
+
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Batch, AlgorithmConfig],
+    PolicyLossOutput,
+]
+"""(logprobs, proximal, sampler log-probs, advantages [B, T] or [B, 1], batch, config)."""
+
+
+def _ppo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
+    adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
+) -> PolicyLossOutput:  # fmt: skip
+    return clipped_policy_loss(
+        logprobs, proximal, adv, mb.loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        dual_clip=cfg.dual_clip or None,
+    )  # fmt: skip
+
+
+def _gspo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
+    adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
+) -> PolicyLossOutput:  # fmt: skip
+    seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mb.loss_mask)
+    return gspo_policy_loss(
+        logprobs, proximal, seq_adv, mb.loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+    )
+
+
+def _decoupled_ppo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, sampler: torch.Tensor,
+    adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
+) -> PolicyLossOutput:  # fmt: skip
+    """PPO clip around the proximal policy, reweighted by pi_prox / pi_sampler capped at
+    ``tis_cap``: PPO with token-level TIS is decoupled PPO (AReaL)."""
+    return decoupled_policy_loss(
+        logprobs, proximal, sampler, adv, mb.loss_mask, eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high, max_weight=cfg.tis_cap, dual_clip=cfg.dual_clip or None,
+    )  # fmt: skip
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": _ppo, "gspo": _gspo}
+"""``algorithm.policy_loss``: the per-token surrogate (ALGORITHMS.md)."""
+
+Correction = Callable[
+    [PolicyLossOutput, torch.Tensor, Batch, AlgorithmConfig],
+    tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]],
+]
+"""(loss, proximal log-probs, batch, config) -> (loss, its mask, metrics)."""
+
+
+def _no_correction(
+    out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
+) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+    if cfg.off_policy == "token_tis":  # decoupled PPO applied the weights: report them
+        w = token_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.tis_cap)
+        return out, mb.loss_mask, w.metrics
+    return out, mb.loss_mask, {}
+
+
+def _token_tis(
+    out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
+) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+    w = token_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.tis_cap)
+    return _reweighted(out, w.weights, mb.loss_mask), mb.loss_mask, w.metrics
+
+
+def _sequence_tis(
+    out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
+) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+    w = sequence_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.tis_cap)
+    return _reweighted(out, w.weights, mb.loss_mask), mb.loss_mask, w.metrics
+
+
+def _sequence_mask(
+    out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
+) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+    keep = sequence_ratio_mask(proximal, mb.old_logprobs, mb.loss_mask, max_ratio=cfg.tis_cap)
+    return out, mb.loss_mask & keep.keep[:, None], keep.metrics
+
+
+CORRECTIONS: dict[str, Correction] = {
+    "none": _no_correction,
+    "token_tis": _token_tis,  # with PPO the trainer uses _decoupled_ppo instead
+    "sequence_tis": _sequence_tis,
+    "sequence_mask": _sequence_mask,
+}
+"""``algorithm.off_policy``: how the sampler/learner gap is corrected (ALGORITHMS.md)."""

@@ -1,0 +1,258 @@
+"""One training step, top to bottom: collect, rewards, select, advantages, update, sync.
+
+``Trainer`` holds what every step needs, built once by the loop (loop.py): the run's
+configuration, the environment family, the engine (any ``Backend``), the learner, the
+chat renderer, the episode limits and sampling settings, and the choices of the algorithm
+resolved to functions (``ESTIMATORS`` for the advantages, the learner's update). Each phase
+below is a plain function of it; ``train_step`` calls them in order and returns the step's
+metrics row. What lives elsewhere: the math (``turnrl.algorithms``), credit assignment over
+trajectories (credit.py), the loop with its evaluations, checkpoints and alarms (loop.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from turnrl.algorithms import (
+    informative_groups,
+    overlong_penalty,
+    policy_lag_metrics,
+    top_variance_groups,
+)
+from turnrl.envs import EnvSpec
+from turnrl.protocols import Backend
+from turnrl.rollout.batch import trainable
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
+from turnrl.rollout.failures import check_failures
+from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
+from turnrl.trainer.config import Config
+from turnrl.trainer.credit import ESTIMATORS, KL, Estimator, SampleValues
+from turnrl.trainer.learner import Learner
+from turnrl.types import Sample, Trajectory
+
+Row = dict[str, Any]
+Groups = list[list[Trajectory]]
+
+EXTRA_TASKS = 10**9
+"""Task indices of dynamic sampling's extra rounds start here, away from the main stream."""
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """Everything a step needs, built once at start-up (``config`` may change on an alarm
+    with ``monitor.action = "filter"``: ``with_config``)."""
+
+    config: Config
+    spec: EnvSpec
+    backend: Backend
+    learner: Learner
+    renderer: ChatRenderer
+    limits: EpisodeLimits
+    sampling: SamplingParams
+    estimator: Estimator
+    """``algorithm.advantage``, resolved (credit.ESTIMATORS)."""
+    update: Callable[[Sequence[Sample], Sequence[float | list[float]], int], dict[str, float]]
+    """The learner's update for that estimator: advantages, or a critic's token rewards."""
+
+    @classmethod
+    def build(
+        cls,
+        config: Config,
+        spec: EnvSpec,
+        backend: Backend,
+        learner: Learner,
+        renderer: ChatRenderer,
+        limits: EpisodeLimits,
+        sampling: SamplingParams,
+    ) -> Trainer:
+        estimator = ESTIMATORS[config.algorithm.advantage]
+        update = learner.step_samples_gae if estimator.critic else learner.step_samples
+        return cls(config, spec, backend, learner, renderer, limits, sampling, estimator, update)
+
+    def with_config(self, config: Config) -> Trainer:
+        return dataclasses.replace(self, config=config)
+
+
+def train_step(t: Trainer, step: int, trajectories_out: TextIO) -> Row:
+    """One RL step: the metrics row of ``step`` (counted from 0; the row says step + 1)."""
+    t0 = time.perf_counter()
+    groups, sampled, row = collect(t, step)  # 1. episodes (DAPO: until groups are informative)
+    episodes = [x for g in sampled for x in g]
+    check_failures(episodes, t.config.rollout.max_error_frac, f"step {step + 1}")
+    versions = torch.tensor([x.policy_version for x in episodes], dtype=torch.long)
+    lag = policy_lag_metrics(versions, t.backend.policy_version)  # 0 here: synchronous
+    t1 = time.perf_counter()
+    kl = shape_rewards(t, groups, row)  # 2. rewards: overlong penalty, a KL in the reward
+    groups = select(t, groups, row)  # 3. StarPO-S variance filter
+    values = t.estimator.assign(t.config.algorithm, groups, kl, shuffle_seed(t.config, step))  # 4.
+    samples, sample_values = trainable_samples(t, groups, values)
+    if samples:
+        row.update(t.update(samples, sample_values, t.backend.pad_id))  # 5. the policy update
+    t.backend.sync(t.learner.model)  # 6. the engine samples with the new weights from here on
+    t2 = time.perf_counter()
+
+    row = {"step": step + 1, **rollout_metrics(sampled), **row}
+    row.update({f"rollout/{name}": float(value) for name, value in lag.items()})
+    row["rollout/dropped_errors"] = float(sum(x.error is not None for g in groups for x in g))
+    if t.config.algorithm.overlong_filter:
+        row["select/truncated_excluded"] = float(sum(x.truncated for g in groups for x in g))
+    tokens = sum(x.num_tokens for g in sampled for x in g)
+    row["perf/rollout_s"], row["perf/train_s"], row["perf/step_s"] = t1 - t0, t2 - t1, t2 - t0
+    row["perf/tokens_per_s"] = tokens / max(t2 - t0, 1e-9)
+    log_trajectories(t, step, groups, values, trajectories_out)
+    return row
+
+
+def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
+    """This step's groups to train on, every group sampled, and selection metrics.
+
+    ``prompts_per_step`` groups; with DAPO dynamic sampling, only groups whose rewards
+    differ (``informative_groups``) are kept and more prompts are sampled (at most
+    ``max_sample_rounds`` rounds in all) until the batch is full.
+    """
+    r, algo = t.config.rollout, t.config.algorithm
+    kept: Groups = []
+    sampled: Groups = []
+    rounds = 0
+    while rounds < algo.max_sample_rounds and len(kept) < r.prompts_per_step:
+        # Round 0 reads the usual task stream; extra rounds read a disjoint range.
+        base = step * r.prompts_per_step if rounds == 0 else EXTRA_TASKS + (
+            step * algo.max_sample_rounds + rounds
+        ) * r.prompts_per_step  # fmt: skip
+        tasks = [t.spec.task(base + j) for j in range(r.prompts_per_step)]
+        seed = derive_seed(t.config.seed, step, *([rounds] if rounds else []))
+        group_spec = GroupSpec(
+            r.group_size, t.limits, t.sampling, seed=seed, policy_version=t.backend.policy_version
+        )
+        new = t.backend.run(
+            collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, group_spec)
+        )
+        sampled.extend(new)
+        rounds += 1
+        if algo.dynamic_sampling:
+            new = [g for g in new if _informative(g)]
+        kept.extend(new)
+    row: Row = {}
+    if algo.dynamic_sampling:
+        row["select/sample_rounds"] = float(rounds)
+        row["select/groups_sampled"] = float(len(sampled))
+        row["select/groups_kept"] = float(len(kept[: r.prompts_per_step]))
+    return kept[: r.prompts_per_step], sampled, row
+
+
+def _informative(group: Sequence[Trajectory]) -> bool:
+    """DAPO's test on the group's members without an error: their rewards differ."""
+    rewards = [x.reward for x in group if x.error is None]
+    return bool(rewards) and bool(
+        informative_groups(torch.tensor([rewards], dtype=torch.float64))[0]
+    )
+
+
+def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
+    """Every change to the rewards, in one place: DAPO's soft overlong penalty (a reward
+    component and part of the reward) and, with ``kl_placement = "reward"``, the KL to the
+    reference (the ``kl_penalty`` component: summed into the reward for sequence-level
+    estimators, returned per token for those that pay it token by token)."""
+    algo, r = t.config.algorithm, t.config.rollout
+    if algo.overlong_cache_tokens and groups:
+        lengths = torch.tensor([[x.num_completion_tokens for x in g] for g in groups])
+        penalty = overlong_penalty(
+            lengths.reshape(-1), max_length=r.max_episode_tokens,
+            cache_length=algo.overlong_cache_tokens,
+        ).reshape(lengths.shape).tolist()  # fmt: skip
+        for group, group_penalty in zip(groups, penalty, strict=True):
+            for traj, p in zip(group, group_penalty, strict=True):
+                traj.reward_components["overlong_penalty"] = p
+                traj.reward += p
+        row["select/overlong_penalty_mean"] = float(sum(map(sum, penalty))) / max(
+            1, sum(map(len, penalty))
+        )
+    if algo.kl_placement != "reward" or algo.kl_coef == 0:
+        return {}
+    trajectories = [x for g in groups for x in trainable(g)]
+    samples = [s for x in trajectories for s in x.samples()]
+    per_sample = iter(t.learner.reference_kl(samples, t.backend.pad_id))
+    out: dict[int, list[list[float]]] = {}
+    for traj in trajectories:
+        kl = [next(per_sample) for _ in traj.samples()]
+        kl_penalty = -algo.kl_coef * sum(map(sum, kl))
+        traj.reward_components["kl_penalty"] = kl_penalty
+        if not t.estimator.token_kl:
+            traj.reward += kl_penalty
+        out[id(traj)] = kl
+    return out
+
+
+def select(t: Trainer, groups: Groups, row: Row) -> Groups:
+    """StarPO-S: keep the top ``variance_filter_keep`` of groups by reward std (all when 1)."""
+    keep = t.config.algorithm.variance_filter_keep
+    if keep >= 1.0 or not groups:
+        return groups
+    rewards = torch.tensor([[x.reward for x in g] for g in groups], dtype=torch.float64)
+    mask = top_variance_groups(rewards, keep_fraction=keep).tolist()
+    kept = [g for g, k in zip(groups, mask, strict=True) if k]
+    row["select/variance_groups_kept"] = float(len(kept))
+    return kept
+
+
+def trainable_samples(
+    t: Trainer, groups: Groups, values: Sequence[Sequence[SampleValues]]
+) -> tuple[list[Sample], list[float | list[float]]]:
+    """The token-exact samples trained on, each with its value(s): members without an
+    error, and with DAPO's overlong filter, not truncated ones (``select/truncated_excluded``
+    counts those)."""
+    samples: list[Sample] = []
+    sample_values: list[float | list[float]] = []
+    overlong_filter = t.config.algorithm.overlong_filter
+    for group, group_values in zip(groups, values, strict=True):
+        keep = {id(x) for x in trainable(group) if not (overlong_filter and x.truncated)}
+        for traj, value in zip(group, group_values, strict=True):
+            if id(traj) in keep:
+                samples.extend(traj.samples())
+                sample_values.extend(value)
+    return samples, sample_values
+
+
+def shuffle_seed(config: Config, step: int) -> int | None:
+    """The negative control's seed (rewards shuffled across the batch), else None."""
+    if config.algorithm.control == "shuffled_rewards":
+        return derive_seed(config.seed, step, "shuffle")
+    return None
+
+
+def log_trajectories(
+    t: Trainer,
+    step: int,
+    groups: Groups,
+    values: Sequence[Sequence[SampleValues]],
+    out: TextIO,
+) -> None:
+    """The first ``log_groups`` groups to trajectories.jsonl, each trajectory with its mean
+    advantage over sampled tokens (none for a critic's token rewards)."""
+    for g, (group, group_values) in enumerate(zip(groups, values, strict=True)):
+        if g >= t.config.log_groups:
+            break
+        for traj, value in zip(group, group_values, strict=True):
+            summary = None if t.estimator.critic else _mean_sampled(traj, value)
+            line = {"step": step + 1, "group": g, "advantage": summary, **traj.to_json()}
+            out.write(json.dumps(line) + "\n")
+    out.flush()
+
+
+def _mean_sampled(traj: Trajectory, values: SampleValues) -> float | None:
+    """One number per trajectory: its mean value over sampled tokens."""
+    total, count = 0.0, 0
+    for sample, value in zip(traj.samples(), values, strict=True):
+        for i, m in enumerate(sample.loss_mask):
+            if m:
+                total += value if isinstance(value, float) else value[i]
+                count += 1
+    return total / count if count else None
