@@ -4,7 +4,7 @@ import random
 import sys
 
 import turnrl
-from turnrl import Environment, Task, ToolEnv, ToolSet, Verdict, get_format
+from turnrl import Environment, Task, ToolEnv, get_format
 
 
 def multiply(a: int, b: int) -> int:
@@ -18,12 +18,12 @@ def make_task(index: int, split: str) -> Task:
     return Task(id=f"{split}-{index}", prompt=prompt, answer=str(a * b))
 
 
-def verify(task: Task, answer: str) -> Verdict:
-    return Verdict(float(answer.strip() == task.answer), success=answer.strip() == task.answer)
+def verify(task: Task, answer: str) -> float:  # or a turnrl.Verdict with reward components
+    return float(answer.strip() == task.answer)
 
 
 def make_env() -> ToolEnv:
-    return ToolEnv(ToolSet([multiply]), get_format("hermes"), verify, max_tool_calls=2)
+    return ToolEnv([multiply], get_format("hermes"), verify, max_tool_calls=2)
 
 
 if __name__ == "__main__":  # python examples/calculator.py [key=value ...]

@@ -229,3 +229,21 @@ def test_an_openai_schema_may_describe_a_function_taking_kwargs() -> None:
     assert result.content == "['x', 'y']"
     assert record.ok
     assert isinstance(tools.get("multiply"), Tool)
+
+
+@pytest.mark.parametrize(
+    ("score", "success"), [(1.0, True), (0.5, False), (True, True), (0, False)]
+)
+def test_a_verifier_may_return_a_plain_number(tokenizer: Any, score: float, success: bool) -> None:
+    env = ToolEnv([add], HERMES, lambda task, answer: score)
+    traj = play(tokenizer, env, ["5"])
+    assert traj.error is None
+    assert traj.reward == float(score)
+    assert traj.success is success
+
+
+def test_a_verifier_returning_something_else_is_a_clear_error(tokenizer: Any) -> None:
+    env = ToolEnv([add], HERMES, lambda task, answer: "yes")  # type: ignore[arg-type,return-value]
+    traj = play(tokenizer, env, ["5"])
+    assert traj.error is not None
+    assert "the verifier returned str; return a turnrl.Verdict or a number" in traj.error

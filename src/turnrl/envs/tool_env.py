@@ -26,7 +26,9 @@ from turnrl.rewards.composite import CompositeReward, gold_calls
 from turnrl.tools import Tool, ToolSet
 from turnrl.types import Message, StepResult, Task, ToolCall, ToolCallRecord
 
-Verifier = Callable[[Task, str], Verdict | Awaitable[Verdict]]
+Verifier = Callable[[Task, str], Verdict | float | Awaitable[Verdict | float]]
+"""(task, final answer) -> a ``Verdict``, or a plain number: its reward, a success when it
+is at least 1 (full credit)."""
 
 OpenAITool: TypeAlias = tuple[ToolSchema, Callable[..., Any]]
 """An OpenAI function schema (``{"type": "function", "function": {"name", "description",
@@ -125,6 +127,13 @@ class ToolEnv:
         verdict = self.verifier(self.task, parsed.answer or "")
         if inspect.isawaitable(verdict):  # a verifier that runs something (swe's tests)
             verdict = await verdict
+        if isinstance(verdict, (bool, int, float)):  # a plain score: full credit is success
+            verdict = Verdict(float(verdict), success=float(verdict) >= 1.0)
+        if not isinstance(verdict, Verdict):
+            raise TypeError(
+                f"the verifier returned {type(verdict).__name__}; return a turnrl.Verdict or "
+                "a number (the reward)"
+            )
         if self.reward is not None:
             verdict = self.reward.combine(
                 verdict, calls=self.calls, format_errors=self.format_errors,
