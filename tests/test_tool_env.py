@@ -28,6 +28,13 @@ def calls(*names: str) -> str:
 
 
 def play(tokenizer: Any, env: ToolEnv, texts: list[str]) -> Trajectory:
+    return play_episode(tokenizer, env, texts, TASK, EpisodeLimits(max_turns=4))
+
+
+def play_episode(
+    tokenizer: Any, env: ToolEnv, texts: list[str], task: Task, limits: EpisodeLimits
+) -> Trajectory:
+    """One episode of ``task`` in ``env`` with the model's turns scripted as ``texts``."""
     stops = stop_token_ids(tokenizer)
     backend = ScriptedBackend(tokenizer, texts, end_token_id=stops[0])
 
@@ -36,9 +43,8 @@ def play(tokenizer: Any, env: ToolEnv, texts: list[str]) -> Trajectory:
 
     return asyncio.run(
         run_episode(
-            env, TASK, generate, ChatRenderer(tokenizer, env.tool_schemas()),
-            limits=EpisodeLimits(max_turns=4), sampling=SamplingParams(stop_token_ids=stops),
-            seed=0,
+            env, task, generate, ChatRenderer(tokenizer, env.tool_schemas()),
+            limits=limits, sampling=SamplingParams(stop_token_ids=stops), seed=0,
         )
     )  # fmt: skip
 

@@ -9,16 +9,14 @@ from typing import Any
 
 import pytest
 
-from turnrl.backends.scripted import ScriptedBackend
+from test_tool_env import play_episode
 from turnrl.envs.tool_env import ToolEnv, toolset_from
 from turnrl.errors import ToolDefinitionError
 from turnrl.formats import get_format
-from turnrl.models.loading import stop_token_ids
 from turnrl.rewards import Verdict, exact_match
-from turnrl.rollout.chat import ChatRenderer
-from turnrl.rollout.episode import EpisodeLimits, SamplingParams, run_episode
+from turnrl.rollout.episode import EpisodeLimits
 from turnrl.tools import Tool, ToolSet, tool
-from turnrl.types import Completion, GenerationRequest, Task, ToolCall, Trajectory
+from turnrl.types import Task, ToolCall, Trajectory
 
 HERMES = get_format("hermes")
 TASK = Task(id="t", prompt=({"role": "user", "content": "What is 2 + 3?"},), answer="5")
@@ -74,16 +72,7 @@ def verifier(task: Task, answer: str) -> Verdict:
 
 
 def play(tokenizer: Any, env: ToolEnv, texts: list[str]) -> Trajectory:
-    stops = stop_token_ids(tokenizer)
-    backend = ScriptedBackend(tokenizer, texts, end_token_id=stops[0])
-
-    async def generate(request: GenerationRequest) -> Completion:
-        return (await backend.generate([request]))[0]
-
-    return asyncio.run(
-        run_episode(env, TASK, generate, ChatRenderer(tokenizer), limits=LIMITS,
-                    sampling=SamplingParams(stop_token_ids=stops), seed=0)
-    )  # fmt: skip
+    return play_episode(tokenizer, env, texts, TASK, LIMITS)
 
 
 def tool_outputs(traj: Trajectory) -> list[str]:

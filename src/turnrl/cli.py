@@ -36,11 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     train = sub.add_parser("train", help="train a policy with RL (default: the quick-start)")
-    train.add_argument("recipe", nargs="?", default=None, help="recipe name or .toml path")
-    train.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, e.g. --set rollout.group_size=8 (repeatable)",
-    )  # fmt: skip
+    _recipe_arguments(train)
     train.add_argument("--out", type=Path, default=None, help="run directory (runs/<name>)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -50,11 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show a recipe's resolved settings with their help")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved configuration as TOML")
-    show.add_argument("recipe", nargs="?", default=None, help="recipe name or .toml path")
-    show.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, as with turnrl train (repeatable)",
-    )  # fmt: skip
+    _recipe_arguments(show)
     show.set_defaults(run=_config_show)
 
     init = sub.add_parser("init-model", help="build a tiny model and tokenizer locally")
@@ -137,6 +129,15 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path)
     report.set_defaults(run=_report)
     return parser
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """A recipe and its ``--set`` overrides (``train`` and ``config show`` read the same)."""
+    parser.add_argument("recipe", nargs="?", default=None, help="recipe name or .toml path")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. --set rollout.group_size=8 (repeatable)",
+    )  # fmt: skip
 
 
 def _config_show(args: argparse.Namespace) -> int:
