@@ -55,11 +55,16 @@ ENV_OPTIONS = {"num_keys": 2, "key_pool": 2, "num_values": 12}
 # --------------------------------------------------------------------------- set-up
 
 
+SHARED = ("numpy", "tokenizers", "safetensors", "huggingface-hub")
+"""Besides torch and transformers, the packages whose versions TRL's venv takes from this
+one: what both sides compute with. TRL's own needs (datasets, accelerate, ...) resolve
+freely: pinning every package of this environment made pip refuse trl once an extra of
+turnrl's pinned a datasets that trl does not take."""
+
+
 def ensure_trl_venv() -> Path:
-    """TRL's virtualenv with the same torch and transformers as this one, and every other
-    package this environment has at this environment's version (pip constraints: in
-    turnrl's own .venv, the versions of requirements/lock.txt; from `make test-latest`'s,
-    the newest, which the lock would contradict)."""
+    """TRL's virtualenv with the same torch, transformers and ``SHARED`` packages as this
+    one."""
     from importlib import metadata
 
     import transformers
@@ -68,19 +73,16 @@ def ensure_trl_venv() -> Path:
     stamp = TRL_VENV / ".installed"
     # torch pinned without its local tag (+cpu): pip takes the wheel this one came from, not
     # the latest CUDA build that a plain "torch" would download
-    want = f"torch=={torch.__version__.split('+')[0]} transformers=={transformers.__version__} trl=={TRL_VERSION}"
+    shared = [f"{name}=={metadata.version(name)}" for name in SHARED]
+    want = " ".join(
+        [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+         f"trl=={TRL_VERSION}", *shared]
+    )  # fmt: skip
     if stamp.is_file() and stamp.read_text() == want:
         return python
     print(f"setting up {TRL_VENV}: {want}", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
-    pins = {d.metadata["Name"].lower(): d.version.split("+")[0] for d in metadata.distributions()}
-    pins.pop("turnrl", None)
-    constraints = TRL_VENV / "constraints.txt"
-    constraints.write_text("".join(f"{name}=={v}\n" for name, v in sorted(pins.items())))
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints), *want.split()],
-        check=True,
-    )
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *want.split()], check=True)
     stamp.write_text(want)
     return python
 
