@@ -36,7 +36,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from outputs import parse_args
 from turnrl.trainer import forward
-from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.config import AlgorithmConfig, MicroBatchConfig
 from turnrl.trainer.learner import Learner
 from turnrl.types import Sample
 
@@ -80,7 +80,7 @@ def time_layouts(
     learners = {}
     for layout in layouts:
         chosen = "padded" if layout.startswith("padded") else layout
-        config = AlgorithmConfig(lr=1e-5, micro_batch_size=32, sequence_layout=chosen)
+        config = AlgorithmConfig(lr=1e-5, micro_batch=MicroBatchConfig(size=32, layout=chosen))
         learners[layout] = Learner(copy.deepcopy(net), config, temperature=1.0)
     times: dict[str, list[float]] = {layout: [] for layout in layouts}
     shared = forward.MIN_SHARED_PREFIX

@@ -14,7 +14,7 @@ of them thanks to the KL their recipes add). The start model is the same for eve
     python benchmarks/presets.py --minutes 15        # all presets, 2 at a time
     python benchmarks/presets.py --presets grpo gigpo --minutes 3 --jobs 1
     python benchmarks/presets.py --echo-steps 2500   # the learning proof's base model
-    python benchmarks/presets.py --presets dapo --set algorithm.kl_coef=0 --merge
+    python benchmarks/presets.py --presets dapo --set algorithm.kl.coef=0 --merge
     python benchmarks/presets.py --smoke       # grpo and ppo, 2 steps from a tiny model
 
 ``--set KEY=VALUE`` changes every listed preset (an ablation: the row is labelled with it);
@@ -89,7 +89,7 @@ def run_preset(
     ]  # fmt: skip
     config = load_config(name, overrides)
     variant = " ".join(extra)
-    suffix = "".join(  # algorithm.kl_coef=0.1 -> -kl_coef0.1
+    suffix = "".join(  # algorithm.kl.coef=0.1 -> -kl_coef0.1
         f"-{key.rpartition('.')[2]}{value}" for key, _, value in (o.partition("=") for o in extra)
     )
     run_dir = runs / f"preset-{name}{suffix}"

@@ -139,8 +139,8 @@ def turnrl_side(spec: dict[str, Any], out: Path) -> None:
         f"rollout.max_turns={spec['max_tool_calls'] + 1 if multi else 1}",
         f"rollout.max_tokens_per_turn={spec['max_tokens_per_turn']}",
         f"rollout.max_episode_tokens={spec['max_completion_length']}",
-        "algorithm.advantage=grpo", "algorithm.kl_coef=0", "algorithm.epochs=1",
-        f"algorithm.micro_batch_size={spec['prompts_per_step'] * spec['group_size']}",
+        "algorithm.advantage=grpo", "algorithm.kl.coef=0", "algorithm.epochs=1",
+        f"algorithm.micro_batch.size={spec['prompts_per_step'] * spec['group_size']}",
         f"steps={steps}", "max_minutes=0", "save_every=1000000", "eval.every=1000000", "eval.num_tasks=1",
         f"threads={spec['threads']}",
     ]  # fmt: skip

@@ -11,6 +11,7 @@ import tomllib
 
 from conftest import SMALL_RUN
 from turnrl.cli import main
+from turnrl.errors import ConfigError, ConfigRenamed
 from turnrl.trainer.config import Config, field_help, inert_settings, load_config
 from turnrl.trainer.loop import train
 
@@ -31,29 +32,81 @@ def test_show_prints_the_resolved_config_as_toml_with_help(
 
 
 def test_every_setting_has_help() -> None:
-    config = Config()
-    sections = [getattr(config, f.name) for f in dataclasses.fields(config)]
-    missing = [
-        f"{type(obj).__name__}.{f.name}"
-        for obj in [config, *(s for s in sections if dataclasses.is_dataclass(s))]
-        for f in dataclasses.fields(obj)
-        if not dataclasses.is_dataclass(getattr(obj, f.name))
-        and f.name not in field_help(type(obj))
-    ]
-    assert missing == []
+    def missing(obj: object) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                out += missing(value)
+            elif f.name not in field_help(type(obj)):
+                out.append(f"{type(obj).__name__}.{f.name}")
+        return out
+
+    assert missing(Config()) == []
 
 
 def test_a_setting_without_effect_is_named_and_warned_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = load_config("grpo", [*SMALL_RUN, "algorithm.gigpo_omega=0.5", "algorithm.tis_cap=3"])
+    config = load_config(
+        "grpo", [*SMALL_RUN, "algorithm.gigpo.omega=0.5", "algorithm.off_policy.cap=3"]
+    )
     messages = inert_settings(config)
     assert messages == [
-        "algorithm.gigpo_omega = 0.5 has no effect: it applies only with advantage = 'gigpo'",
-        "algorithm.tis_cap = 3.0 has no effect: it applies only with off_policy != 'none'",
+        "algorithm.gigpo.omega = 0.5 has no effect: it applies only with advantage = 'gigpo'",
+        "algorithm.off_policy.cap = 3.0 has no effect: it applies only with "
+        "off_policy.correction != 'none'",
     ]
-    assert inert_settings(load_config("gigpo", ["algorithm.gigpo_omega=0.5"])) == []
+    assert inert_settings(load_config("gigpo", ["algorithm.gigpo.omega=0.5"])) == []
     with caplog.at_level(logging.WARNING):
         train(config, tmp_path, progress=False)
     warned = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
     assert warned == [f"warning: {m}" for m in messages]
+
+
+def test_sections_nest_and_show_under_their_own_headers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["config", "show", "dapo"]) == 0
+    out = capsys.readouterr().out
+    parsed = tomllib.loads(out)
+    assert parsed["algorithm"]["kl"]["coef"] == 0.1
+    assert parsed["algorithm"]["clip"]["high"] == 0.28
+    assert parsed["algorithm"]["filter"]["dynamic_sampling"] is True
+    assert "[algorithm.kl]  # A KL to the reference policy" in out
+
+
+def test_an_old_recipe_still_trains_and_is_told_the_new_names(tmp_path: Path) -> None:
+    old = tmp_path / "old.toml"
+    old.write_text(
+        'base = "quickstart"\n[algorithm]\nkl_coef = 0.2\neps_high = 0.28\n'
+        'off_policy = "token_tis"\ntis_cap = 3.0\nmicro_batch_size = 16\n'
+    )
+    with pytest.warns(ConfigRenamed) as caught:
+        config = load_config(str(old), ["algorithm.gigpo_omega=0.5"])
+    message = str(caught[0].message)
+    for renamed in [
+        "algorithm.kl_coef is algorithm.kl.coef",
+        "algorithm.eps_high is algorithm.clip.high",
+        "algorithm.off_policy is algorithm.off_policy.correction",
+        "algorithm.tis_cap is algorithm.off_policy.cap",
+        "algorithm.micro_batch_size is algorithm.micro_batch.size",
+        "algorithm.gigpo_omega is algorithm.gigpo.omega",
+    ]:
+        assert renamed in message
+    a = config.algorithm
+    assert (a.kl.coef, a.clip.high, a.off_policy.correction, a.off_policy.cap) == (
+        0.2, 0.28, "token_tis", 3.0,
+    )  # fmt: skip
+    assert (a.micro_batch.size, a.gigpo.omega, a.clip.low) == (16, 0.5, 0.2)
+    # An old name over a base recipe's new one overrides it, like any other key.
+    assert load_config("quickstart").algorithm.kl.coef == 0.1
+
+
+def test_an_old_and_a_new_name_together_are_refused(tmp_path: Path) -> None:
+    both = tmp_path / "both.toml"
+    both.write_text("[algorithm]\nkl_coef = 0.2\n[algorithm.kl]\ncoef = 0.3\n")
+    with pytest.raises(ConfigError, match=r"keep algorithm\.kl\.coef"):
+        load_config(str(both))
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.kl\.coeff'"):
+        load_config(None, ["algorithm.kl.coeff=0.1"])

@@ -95,7 +95,7 @@ def test_token_advantages_line_up_with_samples_and_pack() -> None:
     assert trained == [0.5, -1.0, -1.0, 2.0]  # each sampled token carries its own turn's value
     with pytest.raises(ValueError, match="turn values"):
         token_advantages(traj, [1.0])
-    with pytest.raises(ValueError, match="per-token advantages"):
+    with pytest.raises(ValueError, match="per-token values"):
         pack(samples, [[1.0], per_token[1]], pad_id=0)
 
 

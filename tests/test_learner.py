@@ -19,7 +19,7 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer import forward
-from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.config import AlgorithmConfig, build
 from turnrl.trainer.forward import pack_rows, token_logprobs
 from turnrl.trainer.learner import (
     MIN_SHARED_PREFIX,
@@ -58,11 +58,24 @@ def rollout_batch(model: Any, tokenizer: Any, *, tasks: int = 4, group: int = 4)
 def grads_after_step(
     model: Any, batch: Batch, micro_batch_size: int = 64, **algorithm: Any
 ) -> dict[str, torch.Tensor]:
-    config = AlgorithmConfig(lr=1e-3, micro_batch_size=micro_batch_size, **algorithm)
+    config = algo(lr=1e-3, micro_batch__size=micro_batch_size, **algorithm)
     learner = Learner(model, config, temperature=1.0, max_length=64)
     learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # keep grads, skip the update
     learner.step(batch)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def algo(**settings: Any) -> AlgorithmConfig:
+    """An AlgorithmConfig from keyword settings, ``__`` for a section (``kl__coef=0.1``)."""
+    data: dict[str, Any] = {}
+    for key, value in settings.items():
+        *sections, name = key.split("__")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    config: AlgorithmConfig = build(AlgorithmConfig, data, "algorithm")
+    return config
 
 
 def test_a_request_samples_the_same_alone_or_in_a_batch(model: Any, tokenizer: Any) -> None:
@@ -135,7 +148,7 @@ def test_micro_batching_gives_the_same_gradient(
     model: Any, tokenizer: Any, reduction: str, kl: str
 ) -> None:
     batch = rollout_batch(model, tokenizer, tasks=2, group=3)
-    options = {"loss_reduction": reduction, "kl_estimator": kl, "kl_coef": 0.5}
+    options = {"loss_reduction": reduction, "kl__estimator": kl, "kl__coef": 0.5}
     whole = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=64, **options)
     pieces = grads_after_step(copy.deepcopy(model), batch, micro_batch_size=1, **options)
     assert any(g.abs().sum() > 0 for g in whole.values())
@@ -145,7 +158,7 @@ def test_micro_batching_gives_the_same_gradient(
 
 def test_reference_model_exists_only_with_a_kl_coefficient(model: Any, tokenizer: Any) -> None:
     assert Learner(model, AlgorithmConfig(), temperature=1.0).ref_model is None
-    learner = Learner(model, AlgorithmConfig(kl_coef=0.1, lr=1e-2), temperature=1.0)
+    learner = Learner(model, algo(kl__coef=0.1, lr=1e-2), temperature=1.0)
     assert learner.ref_model is not None
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)
     first = learner.step(batch)
@@ -156,7 +169,7 @@ def test_reference_model_exists_only_with_a_kl_coefficient(model: Any, tokenizer
 
 def test_later_epochs_reuse_the_batch_under_the_clip(model: Any, tokenizer: Any) -> None:
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)
-    config = AlgorithmConfig(epochs=3, lr=5e-2, eps_low=0.01, eps_high=0.01)
+    config = algo(epochs=3, lr=5e-2, clip__low=0.01, clip__high=0.01)
     metrics = Learner(model, config, temperature=1.0).step(batch)
     assert metrics["train/logprob_mismatch_max"] < 1e-4  # pass 0 is still on-policy
     assert metrics["train/clip_frac"] > 0.0  # passes 1 and 2 moved past the clip range
@@ -168,7 +181,7 @@ def test_a_given_reference_is_the_kl_anchor(model: Any, tokenizer: Any) -> None:
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)
-    config = AlgorithmConfig(kl_coef=0.1)
+    config = algo(kl__coef=0.1)
     anchored = Learner(copy.deepcopy(model), config, temperature=1.0, reference=reference)
     assert anchored.step(batch)["loss/kl"] > 1e-4  # the policy differs from its given anchor
     fresh = Learner(model, config, temperature=1.0)
@@ -225,12 +238,12 @@ def test_the_sampler_computes_a_shared_prompt_prefix_once_with_the_same_result(
 @pytest.mark.parametrize(
     "options",
     [
-        {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4},
+        {"policy_loss": "gspo", "clip__low": 3e-4, "clip__high": 4e-4},
         {"policy_loss": "gspo", "loss_reduction": "seq_mean_token_mean"},
-        {"dual_clip": 3.0},
-        {"off_policy": "token_tis"},
-        {"off_policy": "sequence_tis"},
-        {"off_policy": "sequence_mask"},
+        {"clip__dual": 3.0},
+        {"off_policy__correction": "token_tis"},
+        {"off_policy__correction": "sequence_tis"},
+        {"off_policy__correction": "sequence_mask"},
         {"entropy_coef": 0.01},
     ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
@@ -257,20 +270,24 @@ def test_off_policy_corrections_act_only_on_a_sampler_mismatch(model: Any, token
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)
     plain = grads_after_step(copy.deepcopy(model), batch)
     for mode in ("token_tis", "sequence_tis", "sequence_mask"):
-        same = grads_after_step(copy.deepcopy(model), batch, off_policy=mode)
+        same = grads_after_step(copy.deepcopy(model), batch, off_policy__correction=mode)
         for name in plain:  # no mismatch: weights 1, nothing masked
             assert torch.allclose(plain[name], same[name], atol=1e-6), (mode, name)
     # A sampler that under-weighted the later rows' tokens: rho = pi_learner / pi_sampler > 1.
     far = skewed(batch, shift=0.5)
     learner = Learner(
-        copy.deepcopy(model), AlgorithmConfig(off_policy="token_tis"), temperature=1.0
+        copy.deepcopy(model), algo(off_policy__correction="token_tis"), temperature=1.0
     )
     metrics = learner.step(far)
     assert metrics["off_policy/tis_truncated_fraction"] > 0.0
     assert metrics["train/logprob_mismatch"] > 0.1
     unclipped = {"max_grad_norm": 1e9}  # compare raw gradients, not clipped ones
     masked = grads_after_step(
-        copy.deepcopy(model), far, off_policy="sequence_mask", tis_cap=2.0, **unclipped
+        copy.deepcopy(model),
+        far,
+        off_policy__correction="sequence_mask",
+        off_policy__cap=2.0,
+        **unclipped,
     )
     # Row 0 (no shift) survives the mask; rows with prod rho > 2 contribute nothing.
     keep_first = Batch(
@@ -317,15 +334,15 @@ def test_loss_options_are_validated() -> None:
     from turnrl.trainer.config import load_config
 
     for bad, match in [
-        ("algorithm.dual_clip=0.5", "dual_clip"),
-        ("algorithm.tis_cap=0", "tis_cap"),
+        ("algorithm.clip.dual=0.5", "clip.dual"),
+        ("algorithm.off_policy.cap=0", "off_policy.cap"),
         ("algorithm.entropy_coef=-1", "entropy_coef"),
-        ("algorithm.off_policy=magic", "off_policy"),
+        ("algorithm.off_policy.correction=magic", "off_policy"),
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config("quickstart", [bad])
-    with pytest.raises(ConfigError, match="dual_clip"):
-        load_config("quickstart", ["algorithm.policy_loss=gspo", "algorithm.dual_clip=3"])
+    with pytest.raises(ConfigError, match=r"clip\.dual"):
+        load_config("quickstart", ["algorithm.policy_loss=gspo", "algorithm.clip.dual=3"])
 
 
 def on_last_token(samples: list[Any], rewards: list[float]) -> list[list[float]]:
@@ -392,8 +409,7 @@ def test_turn_level_gae_is_wired_to_the_bi_level_estimator(model: Any, tokenizer
 
     samples, rewards, pad = gae_samples(model, tokenizer)
     samples = [two_turns(s) for s in samples]
-    config = AlgorithmConfig(advantage="gae", gae_level="turn", gae_turn_gamma=0.5,
-                             max_grad_norm=1e9)  # fmt: skip
+    config = algo(advantage="gae", gae__level="turn", gae__turn_gamma=0.5, max_grad_norm=1e9)  # fmt: skip
     ppo = Learner(copy.deepcopy(model), config, temperature=1.0)
     ppo.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
     ppo.step_samples_gae(samples, on_last_token(samples, rewards), pad)
@@ -423,7 +439,7 @@ def test_the_critic_learns_the_returns_and_leaves_the_policy_alone(
 ) -> None:
     samples, _, pad = gae_samples(model, tokenizer)
     rewards = [1.0] * len(samples)  # a target every critic can reach: V = 1 everywhere
-    config = AlgorithmConfig(advantage="gae", critic=critic, critic_lr=5e-2, critic_epochs=4)
+    config = algo(advantage="gae", critic__placement=critic, critic__lr=5e-2, critic__epochs=4)
     learner = Learner(copy.deepcopy(model), config, temperature=1.0)
     learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # freeze policy
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
@@ -470,9 +486,9 @@ def test_packed_sequences_give_the_padded_log_probs_and_gradients(
 
 def test_a_packed_learner_step_is_the_padded_one(model: Any, tokenizer: Any) -> None:
     batch = skewed(rollout_batch(model, tokenizer, tasks=2, group=3))
-    options = {"kl_coef": 0.5, "loss_reduction": "seq_mean_token_mean"}
+    options = {"kl__coef": 0.5, "loss_reduction": "seq_mean_token_mean"}
     padded = grads_after_step(copy.deepcopy(model), batch, **options)
-    packed = grads_after_step(copy.deepcopy(model), batch, sequence_layout="packed", **options)
+    packed = grads_after_step(copy.deepcopy(model), batch, micro_batch__layout="packed", **options)
     for name in padded:
         assert torch.allclose(padded[name], packed[name], atol=1e-5), name
 
@@ -480,9 +496,9 @@ def test_a_packed_learner_step_is_the_padded_one(model: Any, tokenizer: Any) -> 
 def test_micro_batches_respect_the_token_budget(model: Any) -> None:
     lengths = [50, 10, 30, 10, 45, 20, 5]
     for pack_sequences in (False, True):
-        config = AlgorithmConfig(
-            micro_batch_size=3, micro_batch_tokens=90,
-            sequence_layout="packed" if pack_sequences else "padded",
+        config = algo(
+            micro_batch__size=3, micro_batch__tokens=90,
+            micro_batch__layout="packed" if pack_sequences else "padded",
         )  # fmt: skip
         learner = Learner(model, config, temperature=1.0)
         parts = learner._parts(lengths)
@@ -495,7 +511,7 @@ def test_micro_batches_respect_the_token_budget(model: Any) -> None:
                 else len(part) * max(lengths[i] for i in part)
             )
             assert cost <= 90 or len(part) == 1
-    too_long = Learner(model, AlgorithmConfig(micro_batch_tokens=8), temperature=1.0)
+    too_long = Learner(model, algo(micro_batch__tokens=8), temperature=1.0)
     assert too_long._parts([20, 30]) == [[0], [1]]  # a sequence over budget runs alone
 
 
@@ -505,7 +521,7 @@ def test_the_default_token_budget_follows_free_memory(model: Any) -> None:
     large = auto_token_budget(model, free_bytes=8 << 30)
     assert 256 <= small < large
     assert abs(large / small - 8) < 0.01
-    learner = Learner(model, AlgorithmConfig(micro_batch_tokens=1234), temperature=1.0)
+    learner = Learner(model, algo(micro_batch__tokens=1234), temperature=1.0)
     assert learner.token_budget == 1234
 
 
@@ -523,13 +539,13 @@ def test_a_token_budget_gives_the_same_gradient(model: Any, tokenizer: Any) -> N
 
     def grads(**options: Any) -> dict[str, torch.Tensor]:
         m = copy.deepcopy(model)
-        learner = Learner(m, AlgorithmConfig(lr=1e-3, **options), temperature=1.0)
+        learner = Learner(m, algo(lr=1e-3, **options), temperature=1.0)
         learner.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]
         learner.step_samples(samples, advantages, pad_id=0)
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     whole = grads()
-    budgeted = grads(micro_batch_tokens=2 * max(len(s.input_ids) for s in samples))
+    budgeted = grads(micro_batch__tokens=2 * max(len(s.input_ids) for s in samples))
     for name in whole:
         assert torch.allclose(whole[name], budgeted[name], atol=1e-6), name
 

@@ -46,7 +46,7 @@ def test_a_base_recipe_is_merged_section_by_section(tmp_path: Path) -> None:
     merged = read_recipe(str(tmp_path / "child.toml"))
     base = read_recipe("quickstart")
     assert merged["algorithm"]["lr"] == 0.5
-    assert merged["algorithm"]["kl_coef"] == base["algorithm"]["kl_coef"]  # kept from base
+    assert merged["algorithm"]["kl"]["coef"] == base["algorithm"]["kl"]["coef"]  # kept from base
     assert merged["env"] == base["env"]
     assert "base" not in merged
 

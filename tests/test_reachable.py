@@ -17,21 +17,21 @@ from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
 CONFIGS = [  # together they name every choice of [algorithm] once
-    ["algorithm.advantage=grpo", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1",
-     "algorithm.dynamic_sampling=true", "algorithm.max_sample_rounds=2",
-     "algorithm.overlong_filter=true"],
-    ["algorithm.advantage=dr_grpo", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2",
-     "algorithm.loss_reduction=seq_mean_token_sum_norm", "algorithm.overlong_cache_tokens=8"],
-    ["algorithm.advantage=rloo", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3+",
-     "algorithm.loss_reduction=seq_mean_token_sum", "algorithm.variance_filter_keep=0.5"],
-    ["algorithm.advantage=gigpo", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3",
-     "algorithm.loss_reduction=seq_mean_token_mean", "algorithm.off_policy=token_tis"],
-    ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.1", "algorithm.kl_placement=reward",
-     "algorithm.kl_estimator=k1", "algorithm.off_policy=sequence_tis", "algorithm.dual_clip=3"],
+    ["algorithm.advantage=grpo", "algorithm.kl.coef=0.1", "algorithm.kl.estimator=k1",
+     "algorithm.filter.dynamic_sampling=true", "algorithm.filter.max_rounds=2",
+     "algorithm.overlong.filter=true"],
+    ["algorithm.advantage=dr_grpo", "algorithm.kl.coef=0.1", "algorithm.kl.estimator=k2",
+     "algorithm.loss_reduction=seq_mean_token_sum_norm", "algorithm.overlong.penalty_tokens=8"],
+    ["algorithm.advantage=rloo", "algorithm.kl.coef=0.1", "algorithm.kl.estimator=k3+",
+     "algorithm.loss_reduction=seq_mean_token_sum", "algorithm.filter.variance_keep=0.5"],
+    ["algorithm.advantage=gigpo", "algorithm.kl.coef=0.1", "algorithm.kl.estimator=k3",
+     "algorithm.loss_reduction=seq_mean_token_mean", "algorithm.off_policy.correction=token_tis"],
+    ["algorithm.advantage=reinforce_pp", "algorithm.kl.coef=0.1", "algorithm.kl.placement=reward",
+     "algorithm.kl.estimator=k1", "algorithm.off_policy.correction=sequence_tis", "algorithm.clip.dual=3"],
     ["algorithm.advantage=reinforce_pp_baseline", "algorithm.policy_loss=gspo",
-     "algorithm.off_policy=sequence_mask"],
-    ["algorithm.advantage=gae", "algorithm.critic=head"],
-    ["algorithm.advantage=gae", "algorithm.gae_level=turn", "algorithm.entropy_coef=0.01"],
+     "algorithm.off_policy.correction=sequence_mask"],
+    ["algorithm.advantage=gae", "algorithm.critic.placement=head"],
+    ["algorithm.advantage=gae", "algorithm.gae.level=turn", "algorithm.entropy_coef=0.01"],
 ]  # fmt: skip
 
 HELPERS = {  # exported for users and tests; not a choice the trainer makes

@@ -107,7 +107,7 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
     train(four, stopped, resume=True, progress=False)
     assert [deterministic(r) for r in rows(stopped)] == [deterministic(r) for r in rows(straight)]
     # The KL reference is the policy RL started from; a resume without it is refused.
-    assert four.algorithm.kl_coef > 0
+    assert four.algorithm.kl.coef > 0
     assert (stopped / "start_model" / "config.json").is_file()
     shutil.rmtree(stopped / "start_model")
     with pytest.raises(ConfigError, match="start_model"):
@@ -115,7 +115,7 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
 
 
 def test_a_ppo_run_resumes_with_its_critic(tmp_path: Path) -> None:
-    ppo = [*SMALL, "algorithm.advantage=gae", "algorithm.critic=model"]
+    ppo = [*SMALL, "algorithm.advantage=gae", "algorithm.critic.placement=model"]
     straight = tmp_path / "straight"
     train(load_config(None, [*ppo, "steps=3"]), straight, progress=False)
     stopped = tmp_path / "stopped"
@@ -151,12 +151,20 @@ def test_an_unknown_estimator_name_is_a_clear_error() -> None:
     "options",
     [
         ["algorithm.advantage=gigpo"],
-        ["algorithm.advantage=gae", "algorithm.critic=model"],
-        ["algorithm.advantage=gae", "algorithm.critic=head", "algorithm.control=shuffled_rewards"],
-        ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.1"],
+        ["algorithm.advantage=gae", "algorithm.critic.placement=model"],
+        [
+            "algorithm.advantage=gae",
+            "algorithm.critic.placement=head",
+            "algorithm.control=shuffled_rewards",
+        ],
+        ["algorithm.advantage=reinforce_pp", "algorithm.kl.coef=0.1"],
         ["algorithm.advantage=reinforce_pp_baseline"],
         ["algorithm.policy_loss=gspo", "algorithm.loss_reduction=seq_mean_token_mean"],
-        ["algorithm.off_policy=token_tis", "algorithm.dual_clip=3", "algorithm.entropy_coef=0.01"],
+        [
+            "algorithm.off_policy.correction=token_tis",
+            "algorithm.clip.dual=3",
+            "algorithm.entropy_coef=0.01",
+        ],
     ],
     ids=lambda o: ",".join(x.split(".", 1)[1] for x in o),
 )
@@ -169,7 +177,7 @@ def test_every_estimator_and_loss_trains_end_to_end(tmp_path: Path, options: lis
 
 
 def test_dynamic_sampling_trains_only_on_informative_groups(tmp_path: Path) -> None:
-    options = ["steps=2", "algorithm.dynamic_sampling=true", "algorithm.max_sample_rounds=3"]
+    options = ["steps=2", "algorithm.filter.dynamic_sampling=true", "algorithm.filter.max_rounds=3"]
     result = train(load_config(None, [*SMALL, *options]), tmp_path, progress=False)
     rows = [r for r in result.rows if "select/sample_rounds" in r]
     assert len(rows) == 2
@@ -188,9 +196,9 @@ def test_variance_filter_and_overlong_shaping_are_applied(tmp_path: Path) -> Non
     options = [
         "steps=1",
         "rollout.prompts_per_step=4",
-        "algorithm.variance_filter_keep=0.5",
-        "algorithm.overlong_cache_tokens=40",
-        "algorithm.overlong_filter=true",
+        "algorithm.filter.variance_keep=0.5",
+        "algorithm.overlong.penalty_tokens=40",
+        "algorithm.overlong.filter=true",
     ]
     result = train(load_config(None, [*SMALL, *options]), tmp_path, progress=False)
     (row,) = [r for r in result.rows if "select/variance_groups_kept" in r]
@@ -207,8 +215,8 @@ def test_variance_filter_and_overlong_shaping_are_applied(tmp_path: Path) -> Non
 @pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp", "gae"])
 def test_a_kl_in_the_reward_is_paid_and_recorded(tmp_path: Path, estimator: str) -> None:
     options = [
-        "steps=2", "algorithm.kl_placement=reward", "algorithm.kl_coef=0.5",
-        "algorithm.kl_estimator=k1", f"algorithm.advantage={estimator}", "algorithm.lr=0.05",
+        "steps=2", "algorithm.kl.placement=reward", "algorithm.kl.coef=0.5",
+        "algorithm.kl.estimator=k1", f"algorithm.advantage={estimator}", "algorithm.lr=0.05",
     ]  # fmt: skip
     result = train(load_config(None, [*SMALL, *options]), tmp_path, progress=False)
     trained = [r for r in result.rows if "loss/kl" in r]

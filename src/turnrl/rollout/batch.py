@@ -66,17 +66,27 @@ def pack(
     attention = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.bool)
     old = torch.zeros((B, T), dtype=torch.float32)
-    adv = torch.zeros((B, T), dtype=torch.float32)
-    for i, (s, a) in enumerate(zip(samples, advantages, strict=True)):
+    for i, s in enumerate(samples):
         n = len(s.input_ids)
         input_ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         attention[i, :n] = 1
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         old[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        if isinstance(a, int | float):
-            adv[i, :n] = float(a)
-        elif len(a) == n:
-            adv[i, :n] = torch.tensor(a, dtype=torch.float32)
+    return Batch(input_ids, attention, mask, old, per_token(samples, advantages))
+
+
+def per_token(samples: Sequence[Sample], values: Sequence[float | Sequence[float]]) -> torch.Tensor:
+    """``[B, T]`` float, right-padded with 0: each sample's value repeated along its tokens,
+    or its per-token values (as many as it has tokens)."""
+    if len(samples) != len(values):
+        raise ValueError("one value per sample is required")
+    out = torch.zeros((len(samples), max(len(s.input_ids) for s in samples)))
+    for i, (s, v) in enumerate(zip(samples, values, strict=True)):
+        n = len(s.input_ids)
+        if isinstance(v, int | float):
+            out[i, :n] = float(v)
+        elif len(v) == n:
+            out[i, :n] = torch.tensor(v, dtype=torch.float32)
         else:
-            raise ValueError(f"sample {i} has {n} tokens but {len(a)} per-token advantages")
-    return Batch(input_ids, attention, mask, old, adv)
+            raise ValueError(f"sample {i} has {n} tokens but {len(v)} per-token values")
+    return out

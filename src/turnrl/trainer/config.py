@@ -13,6 +13,7 @@ import json
 import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from turnrl.errors import ConfigError
+from turnrl.errors import ConfigError, ConfigRenamed
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "quickstart"
@@ -91,10 +92,133 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
-class AlgorithmConfig:
-    """The policy update: group advantages, a PPO-clip loss, a reduction, an optional KL.
+class ClipConfig:
+    """PPO's clipped ratio (``algorithm.clip``)."""
 
-    Each estimator is chosen by name here, once (ALGORITHMS.md defines them all).
+    low: float = 0.2
+    """Lower bound 1 - low."""
+    high: float = 0.2
+    """Upper bound 1 + high (DAPO's clip-higher uses 0.28)."""
+    dual: float = 0.0
+    """Dual clip c (> 1) bounding the loss of negative-advantage tokens (PPO loss only); 0
+    disables."""
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """A KL to the reference policy, the policy when RL starts (``algorithm.kl``)."""
+
+    coef: float = 0.0
+    """Weight of the KL estimate; 0 loads no reference model."""
+    estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    """Estimator of KL(policy || reference) per token."""
+    placement: Literal["loss", "reward"] = "loss"
+    """Added to the loss (GRPO's way), or subtracted from the reward (PPO's and
+    REINFORCE++'s way: per token for REINFORCE++ and GAE, summed over the sampled tokens
+    for the group estimators); recorded as the ``kl_penalty`` component."""
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """Which sampled groups are trained on (``algorithm.filter``)."""
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more
+    prompts (up to ``max_rounds`` rounds per step) to fill the batch."""
+    max_rounds: int = 1
+    """Rounds of ``rollout.prompts_per_step`` groups a step may sample."""
+    variance_keep: float = 1.0
+    """StarPO-S: keep this top fraction of groups by reward std (1 keeps all)."""
+
+
+@dataclass(frozen=True)
+class OverlongConfig:
+    """DAPO's handling of episodes that hit ``rollout.max_episode_tokens``
+    (``algorithm.overlong``)."""
+
+    penalty_tokens: int = 0
+    """Soft overlong punishment: the reward ramps down to -1 over the last this many tokens
+    of ``rollout.max_episode_tokens`` (0: off)."""
+    filter: bool = False
+    """Overlong filtering: truncated episodes are not trained on."""
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """The sampler/learner mismatch pi_learner / pi_sampler (``algorithm.off_policy``)."""
+
+    correction: Literal["none", "token_tis", "sequence_tis", "sequence_mask"] = "none"
+    """Truncated importance weights per token or per sequence (capped at ``cap``), or
+    dropping sequences whose ratio exceeds ``cap``."""
+    cap: float = 2.0
+    """Cap C of the truncated importance weights / the sequence mask's threshold."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The learned value function of ``advantage = "gae"`` (``algorithm.critic``)."""
+
+    placement: Literal["head", "model"] = "model"
+    """A value head on the policy's (detached) hidden states, or a separate value model (a
+    copy of the starting policy plus a head)."""
+    lr: float = 1e-3
+    """The critic's AdamW learning rate."""
+    epochs: int = 1
+    """Critic optimizer steps per rollout batch."""
+    value_clip: float = 0.2
+    """PPO value clipping range around the rollout's values (0: unclipped)."""
+
+
+@dataclass(frozen=True)
+class GAEConfig:
+    """Generalised advantage estimation, ``advantage = "gae"`` (``algorithm.gae``)."""
+
+    gamma: float = 1.0
+    """Discount over sampled tokens (1 as in RAGEN and Search-R1)."""
+    lam: float = 1.0
+    """Lambda (1: the return minus the value; PPO's classic choice is 0.95)."""
+    level: Literal["token", "turn"] = "token"
+    """GAE over sampled tokens, or turn-level (bi-level, RAGEN) GAE: first over turns with
+    ``turn_gamma``, then over the tokens inside each turn (ALGORITHMS.md)."""
+    turn_gamma: float = 0.95
+    """Turn-level GAE: the discount between turns."""
+    whiten: bool = True
+    """Whiten the advantages over the batch's sampled tokens (PPO's usual practice)."""
+
+
+@dataclass(frozen=True)
+class GiGPOConfig:
+    """GiGPO's step-level term, ``advantage = "gigpo"`` (``algorithm.gigpo``)."""
+
+    gamma: float = 0.95
+    """Discount of the step-level returns."""
+    omega: float = 1.0
+    """Weight of the step-level term."""
+
+
+@dataclass(frozen=True)
+class MicroBatchConfig:
+    """How the learner splits a batch into forward/backward passes; it never changes the
+    update, only memory and speed (``algorithm.micro_batch``)."""
+
+    size: int = 64
+    """Sequences per forward/backward at most; gradients accumulate to the whole batch."""
+    tokens: int = 0
+    """Tokens per forward/backward at most, padding included (packed: real tokens); a
+    micro-batch holds at least one sequence. 0 picks a budget from the free accelerator
+    memory on CUDA and sets none on CPU (``size`` alone)."""
+    layout: Literal["auto", "padded", "packed"] = "auto"
+    """``padded`` rows (the common prefix of the rows run once), ``packed`` back to back
+    (no padding, no prefix reuse), or ``auto``: whichever computes fewer token positions
+    (agent groups sharing a long prompt pad; sequences of very different lengths pack)."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The policy update: advantages, a clipped policy loss, a reduction, an optional KL.
+
+    Each choice is made by name here, once (ALGORITHMS.md defines them all); the knobs of
+    one estimator or mechanism live in its own section (``algorithm.kl.coef``).
     """
 
     advantage: Literal[
@@ -104,97 +228,55 @@ class AlgorithmConfig:
     only), RLOO (leave-one-out mean), REINFORCE++ (returns whitened over the batch's
     tokens; ``_baseline`` subtracts the group mean first), or GiGPO (GRPO per episode plus
     a step-level term among turns of one task that saw an identical context), or GAE with
-    a learned critic (PPO; see ``critic``)."""
-    critic: Literal["head", "model"] = "model"
-    """With ``advantage = "gae"``: a value head on the policy's (detached) hidden states, or
-    a separate value model (a copy of the starting policy plus a head)."""
-    critic_lr: float = 1e-3
-    """The critic's AdamW learning rate."""
-    critic_epochs: int = 1
-    """Critic optimizer steps per rollout batch."""
-    value_clip: float = 0.2
-    """PPO value clipping range around the rollout's values (0: unclipped)."""
-    gae_gamma: float = 1.0
-    """GAE discount over sampled tokens (1 as in RAGEN and Search-R1)."""
-    gae_lambda: float = 1.0
-    """GAE lambda (1: the return minus the value; PPO's classic choice is 0.95)."""
-    gae_level: Literal["token", "turn"] = "token"
-    """GAE over sampled tokens, or turn-level (bi-level, RAGEN) GAE: first over turns with
-    ``gae_turn_gamma``, then over the tokens inside each turn (ALGORITHMS.md)."""
-    gae_turn_gamma: float = 0.95
-    """Turn-level GAE: the discount between turns."""
-    whiten_advantages: bool = True
-    """GAE: whiten the advantages over the batch's sampled tokens (PPO's usual practice)."""
-    gigpo_gamma: float = 0.95
-    """GiGPO: discount of the step-level returns."""
-    gigpo_omega: float = 1.0
-    """GiGPO: weight of the step-level term."""
+    a learned critic (PPO; see ``critic`` and ``gae``)."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """PPO's clipped surrogate per token, or GSPO's on one length-normalised ratio per
+    sequence (use GSPO's small clip ranges, e.g. clip.low 3e-4, clip.high 4e-4)."""
     loss_reduction: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
     ] = "token_mean"
     """How per-token losses become one number; normalisers are those of the whole batch, so
     micro-batching does not change the update. ``seq_mean_token_sum_norm`` divides by
     ``rollout.max_episode_tokens`` (Dr. GRPO's constant)."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """PPO's clipped surrogate per token, or GSPO's on one length-normalised ratio per
-    sequence (use GSPO's small clip ranges, e.g. eps_low 3e-4, eps_high 4e-4)."""
-    dual_clip: float = 0.0
-    """PPO dual clip c (> 1) bounding the loss of negative-advantage tokens; 0 disables."""
-    entropy_coef: float = 0.0
-    """Entropy bonus: this times the (reduced) policy entropy is subtracted from the loss."""
-    off_policy: Literal["none", "token_tis", "sequence_tis", "sequence_mask"] = "none"
-    """Correction for the sampler/learner mismatch pi_learner / pi_sampler: truncated
-    importance weights per token or per sequence (capped at ``tis_cap``), or dropping
-    sequences whose ratio exceeds ``tis_cap``."""
-    tis_cap: float = 2.0
-    """Cap C of the truncated importance weights / the sequence mask's threshold."""
-    kl_placement: Literal["loss", "reward"] = "loss"
-    """Where ``kl_coef`` x KL goes: added to the loss (GRPO's way), or subtracted from the
-    reward (PPO's and REINFORCE++'s way: per token for REINFORCE++ and GAE, summed over the
-    sampled tokens for the group estimators); recorded as the ``kl_penalty`` component."""
-    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
-    """Estimator of KL(policy || reference) per token, added to the loss as ``kl_coef`` x it."""
-
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping threshold (global L2 norm)."""
-    eps_low: float = 0.2
-    """PPO clip: lower bound 1 - eps_low."""
-    eps_high: float = 0.2
-    """PPO clip: upper bound 1 + eps_high (DAPO's clip-higher uses 0.28)."""
-    kl_coef: float = 0.0
-    """Weight of the KL estimate to the reference policy (the policy when RL starts),
-    added to the loss; 0 loads no reference model."""
     epochs: int = 1
     """Optimizer steps per rollout batch (PPO epochs); the first is on-policy."""
-    micro_batch_size: int = 64
-    """Sequences per forward/backward at most; gradients accumulate to the whole batch."""
-    micro_batch_tokens: int = 0
-    """Tokens per forward/backward at most, padding included (packed: real tokens); a
-    micro-batch holds at least one sequence. 0 picks a budget from the free accelerator
-    memory on CUDA and sets none on CPU (``micro_batch_size`` alone)."""
-    sequence_layout: Literal["auto", "padded", "packed"] = "auto"
-    """How the learner lays a micro-batch out for its forward passes: ``padded`` rows
-    (the common prefix of the rows run once), ``packed`` back to back (no padding, no
-    prefix reuse), or ``auto``: whichever computes fewer token positions (agent groups
-    sharing a long prompt pad; sequences of very different lengths pack)."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: train only on groups whose rewards differ, sampling more
-    prompts (up to ``max_sample_rounds`` rounds per step) to fill the batch."""
-    max_sample_rounds: int = 1
-    """Rounds of prompts_per_step groups a step may sample (bounds dynamic sampling)."""
-    variance_filter_keep: float = 1.0
-    """StarPO-S: keep this top fraction of groups by reward std (1 keeps all)."""
-    overlong_cache_tokens: int = 0
-    """DAPO soft overlong punishment: the reward ramps down to -1 over the last this many
-    tokens of ``rollout.max_episode_tokens`` (0: off)."""
-    overlong_filter: bool = False
-    """DAPO overlong filtering: truncated episodes are not trained on."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: this times the (reduced) policy entropy is subtracted from the loss."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    gae: GAEConfig = field(default_factory=GAEConfig)
+    gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
+    micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+
+
+RENAMED = {
+    "eps_low": "clip.low", "eps_high": "clip.high", "dual_clip": "clip.dual",
+    "kl_coef": "kl.coef", "kl_estimator": "kl.estimator", "kl_placement": "kl.placement",
+    "dynamic_sampling": "filter.dynamic_sampling", "max_sample_rounds": "filter.max_rounds",
+    "variance_filter_keep": "filter.variance_keep",
+    "overlong_cache_tokens": "overlong.penalty_tokens", "overlong_filter": "overlong.filter",
+    "tis_cap": "off_policy.cap", "critic_lr": "critic.lr", "critic_epochs": "critic.epochs",
+    "value_clip": "critic.value_clip", "gae_gamma": "gae.gamma", "gae_lambda": "gae.lam",
+    "gae_level": "gae.level", "gae_turn_gamma": "gae.turn_gamma",
+    "whiten_advantages": "gae.whiten", "gigpo_gamma": "gigpo.gamma",
+    "gigpo_omega": "gigpo.omega", "micro_batch_size": "micro_batch.size",
+    "micro_batch_tokens": "micro_batch.tokens", "sequence_layout": "micro_batch.layout",
+}  # fmt: skip
+"""Flat ``algorithm`` keys of turnrl before 2026-11-26 -> their nested key (still read)."""
+RENAMED_IF_STRING = {"off_policy": "off_policy.correction", "critic": "critic.placement"}
+"""Keys that were strings and are now sections: a string goes to this key."""
 
 
 @dataclass(frozen=True)
@@ -334,6 +416,15 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        a = self.algorithm
+        mb, clip, gigpo, critic, gae, filt = (
+            a.micro_batch,
+            a.clip,
+            a.gigpo,
+            a.critic,
+            a.gae,
+            a.filter,
+        )
         checks = [
             (self.steps >= 0, "steps must be >= 0"),
             (self.rollout.group_size >= 2, "rollout.group_size must be >= 2 for GRPO"),
@@ -347,41 +438,32 @@ class Config:
             (0.0 < self.rollout.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
             (self.rollout.temperature > 0.0, "rollout.temperature must be > 0 for training"),
             (self.algorithm.lr > 0.0, "algorithm.lr must be > 0"),
-            (self.algorithm.micro_batch_size >= 1, "algorithm.micro_batch_size must be >= 1"),
-            (self.algorithm.micro_batch_tokens >= 0, "algorithm.micro_batch_tokens must be >= 0"),
-            (0.0 <= self.algorithm.eps_low < 1.0, "algorithm.eps_low must be in [0, 1)"),
-            (self.algorithm.eps_high >= 0.0, "algorithm.eps_high must be >= 0"),
-            (self.algorithm.kl_coef >= 0.0, "algorithm.kl_coef must be >= 0"),
             (self.algorithm.epochs >= 1, "algorithm.epochs must be >= 1"),
-            (0.0 <= self.algorithm.gigpo_gamma <= 1.0, "algorithm.gigpo_gamma must be in [0, 1]"),
-            (self.algorithm.gigpo_omega >= 0.0, "algorithm.gigpo_omega must be >= 0"),
-            (
-                self.algorithm.dual_clip == 0.0 or self.algorithm.dual_clip > 1.0,
-                "algorithm.dual_clip must be 0 (off) or > 1",
-            ),
             (self.algorithm.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
-            (self.algorithm.tis_cap > 0.0, "algorithm.tis_cap must be > 0"),
-            (self.algorithm.critic_lr > 0.0, "algorithm.critic_lr must be > 0"),
-            (self.algorithm.critic_epochs >= 1, "algorithm.critic_epochs must be >= 1"),
-            (self.algorithm.value_clip >= 0.0, "algorithm.value_clip must be >= 0"),
-            (0.0 <= self.algorithm.gae_gamma <= 1.0, "algorithm.gae_gamma must be in [0, 1]"),
-            (0.0 <= self.algorithm.gae_lambda <= 1.0, "algorithm.gae_lambda must be in [0, 1]"),
+            (mb.size >= 1, "algorithm.micro_batch.size must be >= 1"),
+            (mb.tokens >= 0, "algorithm.micro_batch.tokens must be >= 0"),
+            (0.0 <= clip.low < 1.0, "algorithm.clip.low must be in [0, 1)"),
+            (clip.high >= 0.0, "algorithm.clip.high must be >= 0"),
+            (clip.dual == 0.0 or clip.dual > 1.0, "algorithm.clip.dual must be 0 (off) or > 1"),
             (
-                0.0 <= self.algorithm.gae_turn_gamma <= 1.0,
-                "algorithm.gae_turn_gamma must be in [0, 1]",
+                not (self.algorithm.policy_loss == "gspo" and clip.dual),
+                "algorithm.clip.dual applies to the ppo policy loss only",
             ),
-            (self.algorithm.max_sample_rounds >= 1, "algorithm.max_sample_rounds must be >= 1"),
+            (self.algorithm.kl.coef >= 0.0, "algorithm.kl.coef must be >= 0"),
+            (0.0 <= gigpo.gamma <= 1.0, "algorithm.gigpo.gamma must be in [0, 1]"),
+            (gigpo.omega >= 0.0, "algorithm.gigpo.omega must be >= 0"),
+            (self.algorithm.off_policy.cap > 0.0, "algorithm.off_policy.cap must be > 0"),
+            (critic.lr > 0.0, "algorithm.critic.lr must be > 0"),
+            (critic.epochs >= 1, "algorithm.critic.epochs must be >= 1"),
+            (critic.value_clip >= 0.0, "algorithm.critic.value_clip must be >= 0"),
+            (0.0 <= gae.gamma <= 1.0, "algorithm.gae.gamma must be in [0, 1]"),
+            (0.0 <= gae.lam <= 1.0, "algorithm.gae.lam must be in [0, 1]"),
+            (0.0 <= gae.turn_gamma <= 1.0, "algorithm.gae.turn_gamma must be in [0, 1]"),
+            (filt.max_rounds >= 1, "algorithm.filter.max_rounds must be >= 1"),
+            (0.0 < filt.variance_keep <= 1.0, "algorithm.filter.variance_keep must be in (0, 1]"),
             (
-                0.0 < self.algorithm.variance_filter_keep <= 1.0,
-                "algorithm.variance_filter_keep must be in (0, 1]",
-            ),
-            (
-                0 <= self.algorithm.overlong_cache_tokens <= self.rollout.max_episode_tokens,
-                "algorithm.overlong_cache_tokens must be in 0..rollout.max_episode_tokens",
-            ),
-            (
-                not (self.algorithm.policy_loss == "gspo" and self.algorithm.dual_clip),
-                "algorithm.dual_clip applies to the ppo policy loss only",
+                0 <= self.algorithm.overlong.penalty_tokens <= self.rollout.max_episode_tokens,
+                "algorithm.overlong.penalty_tokens must be in 0..rollout.max_episode_tokens",
             ),
             (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
             (self.eval.every >= 1, "eval.every must be >= 1"),
@@ -398,13 +480,15 @@ class Config:
 
 def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
-    data = read_recipe(recipe or DEFAULT_RECIPE)
+    renamed: list[str] = []
+    data = read_recipe(recipe or DEFAULT_RECIPE, renamed=renamed)
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        parsed.append((key.strip().split("."), _parse_value(raw.strip())))
+        keys, value = key.strip().split("."), _parse_value(raw.strip())
+        parsed.append((_renamed_key(keys, value, renamed), value))
     # env.name first: a new environment drops the recipe's options for the old one, and the
     # options given beside it apply to the new one, in whatever order they were written.
     for keys, value in sorted(parsed, key=lambda kv: kv[0] != ["env", "name"]):
@@ -412,8 +496,51 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...
             _switch_env(data, value)
         else:
             _assign(data, keys, value)
+    if renamed:
+        warnings.warn(
+            "renamed settings (the old names still work): " + "; ".join(dict.fromkeys(renamed)),
+            ConfigRenamed,
+            stacklevel=2,
+        )
     config: Config = build(Config, data, "")
     return config
+
+
+def upgrade(data: dict[str, Any], renamed: list[str] | None = None) -> dict[str, Any]:
+    """Move flat ``algorithm`` keys of older recipes (``kl_coef``) to their sections
+    (``kl.coef``) in a raw settings table, in place; each move is added to ``renamed``."""
+    algo = data.get("algorithm")
+    if not isinstance(algo, dict):
+        return data
+    for old in list(algo):
+        new = _renamed_key(["algorithm", old], algo[old], renamed)
+        if new[1:] == [old]:
+            continue
+        value = algo.pop(old)
+        section = algo.setdefault(new[1], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"algorithm.{new[1]} must be a table of settings, got {section!r}")
+        if new[2] in section:
+            raise ConfigError(
+                f"both algorithm.{old} (its old name) and algorithm.{'.'.join(new[1:])} are "
+                f"given: keep algorithm.{'.'.join(new[1:])}"
+            )
+        section[new[2]] = value
+    return data
+
+
+def _renamed_key(keys: list[str], value: Any, renamed: list[str] | None) -> list[str]:
+    """``keys`` under its current name (``algorithm.kl_coef`` -> ``algorithm.kl.coef``)."""
+    if len(keys) != 2 or keys[0] != "algorithm":
+        return keys
+    new = RENAMED.get(keys[1])
+    if new is None and isinstance(value, str):
+        new = RENAMED_IF_STRING.get(keys[1])
+    if new is None:
+        return keys
+    if renamed is not None:
+        renamed.append(f"algorithm.{keys[1]} is algorithm.{new}")
+    return ["algorithm", *new.split(".")]
 
 
 def _switch_env(data: dict[str, Any], name: Any) -> None:
@@ -424,7 +551,9 @@ def _switch_env(data: dict[str, Any], name: Any) -> None:
         data["env"] = {"name": name}
 
 
-def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def read_recipe(
+    recipe: str, _seen: tuple[Path, ...] = (), renamed: list[str] | None = None
+) -> dict[str, Any]:
     """A recipe's settings. A recipe may name another as ``base = "name"``: the base is read
     first and the recipe's own keys override it, section by section (presets are a few
     algorithm knobs on top of a probe recipe)."""
@@ -441,12 +570,13 @@ def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         data: dict[str, Any] = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    upgrade(data, renamed)
     base = data.pop("base", None)
     if base is None:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base must be a recipe name, got {base!r}")
-    merged = read_recipe(base, (*_seen, path.resolve()))
+    merged = read_recipe(base, (*_seen, path.resolve()), renamed)
     _merge(merged, data)
     return merged
 
@@ -539,37 +669,49 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     raise ConfigError(f"{path} must be {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
-def _inert_rules(a: AlgorithmConfig) -> list[tuple[tuple[str, ...], bool, str]]:
-    """(settings, whether they have an effect under ``a``, when they do)."""
+def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
+    """(a setting, whether it has an effect under ``a``, when it does)."""
     gae = a.advantage == "gae"
     return [
-        (("critic", "critic_lr", "critic_epochs", "value_clip", "gae_gamma", "gae_lambda",
-          "gae_level", "whiten_advantages"), gae, "advantage = 'gae'"),
-        (("gae_turn_gamma",), gae and a.gae_level == "turn", "advantage = 'gae', gae_level = 'turn'"),
-        (("gigpo_gamma", "gigpo_omega"), a.advantage == "gigpo", "advantage = 'gigpo'"),
-        (("kl_placement", "kl_estimator"), a.kl_coef > 0, "kl_coef > 0"),
-        (("tis_cap",), a.off_policy != "none", "off_policy != 'none'"),
-        (("max_sample_rounds",), a.dynamic_sampling, "dynamic_sampling = true"),
-        (("dual_clip",), a.policy_loss == "ppo", "policy_loss = 'ppo'"),
+        ("critic", gae, "advantage = 'gae'"),
+        ("gae", gae, "advantage = 'gae'"),
+        ("gae.turn_gamma", gae and a.gae.level == "turn", "advantage = 'gae', gae.level = 'turn'"),
+        ("gigpo", a.advantage == "gigpo", "advantage = 'gigpo'"),
+        ("kl.estimator", a.kl.coef > 0, "kl.coef > 0"),
+        ("kl.placement", a.kl.coef > 0, "kl.coef > 0"),
+        ("off_policy.cap", a.off_policy.correction != "none", "off_policy.correction != 'none'"),
+        ("filter.max_rounds", a.filter.dynamic_sampling, "filter.dynamic_sampling = true"),
+        ("clip.dual", a.policy_loss == "ppo", "policy_loss = 'ppo'"),
     ]  # fmt: skip
 
 
 def inert_settings(config: Config) -> list[str]:
     """Settings changed from their defaults that do nothing under the chosen algorithm
-    (e.g. ``gigpo_omega`` under GRPO), one message each: a typo or a misunderstanding
+    (e.g. ``gigpo.omega`` under GRPO), one message each: a typo or a misunderstanding
     is better caught before the run than after."""
-    defaults = AlgorithmConfig()
-    out = []
-    for names, active, when in _inert_rules(config.algorithm):
+    out: dict[str, str] = {}
+    for name, active, when in _inert_rules(config.algorithm):
         if active:
             continue
-        for name in names:
-            value = getattr(config.algorithm, name)
-            if value != getattr(defaults, name):
-                out.append(
-                    f"algorithm.{name} = {value!r} has no effect: it applies only with {when}"
-                )
-    return out
+        for key, value in _changed(config.algorithm, AlgorithmConfig(), name):
+            out.setdefault(
+                key, f"algorithm.{key} = {value!r} has no effect: it applies only with {when}"
+            )
+    return list(out.values())
+
+
+def _changed(obj: Any, default: Any, dotted: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of the settings under ``dotted`` that differ from ``default``."""
+    value, base = obj, default
+    for part in dotted.split("."):
+        value, base = getattr(value, part), getattr(base, part)
+    if not dataclasses.is_dataclass(value):
+        return [(dotted, value)] if value != base else []
+    return [
+        item
+        for f in dataclasses.fields(value)
+        for item in _changed(obj, default, f"{dotted}.{f.name}")
+    ]
 
 
 def field_help(cls: type[Any]) -> dict[str, str]:
@@ -618,7 +760,7 @@ def describe(config: Config) -> list[str]:
             shown = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
             lines.append(f"{f.name} = {shown}  # {helps.get(f.name, '')}".rstrip(" #"))
         for value, name in nested:
-            section(value, name)
+            section(value, f"{title}.{name}" if title else name)
 
     section(config, None)
     return lines

@@ -314,7 +314,7 @@ def _gigpo(
     algo: AlgorithmConfig, groups: Sequence[Sequence[Trajectory]], _kl: KL, shuffle: int | None
 ) -> list[list[SampleValues]]:
     turns = gigpo_turn_advantages(
-        groups, gamma=algo.gigpo_gamma, omega=algo.gigpo_omega, shuffle_seed=shuffle
+        groups, gamma=algo.gigpo.gamma, omega=algo.gigpo.omega, shuffle_seed=shuffle
     )
     return [
         [list(token_advantages(t, v)) for t, v in zip(g, gv, strict=True)]
@@ -329,7 +329,7 @@ def _reinforce_pp(baseline: bool) -> Estimator:
             baseline=baseline,
             shuffle_seed=shuffle,
             kl=kl or None,
-            kl_coef=algo.kl_coef if kl else 0.0,
+            kl_coef=algo.kl.coef if kl else 0.0,
         ),
         token_kl=True,
     )
@@ -344,7 +344,7 @@ ESTIMATORS: Mapping[str, Estimator] = MappingProxyType(
         "reinforce_pp": _reinforce_pp(baseline=False),
         "reinforce_pp_baseline": _reinforce_pp(baseline=True),
         "gae": Estimator(
-            lambda algo, groups, kl, shuffle: token_rewards(groups, kl, algo.kl_coef, shuffle),
+            lambda algo, groups, kl, shuffle: token_rewards(groups, kl, algo.kl.coef, shuffle),
             token_kl=True,
             critic=True,
         ),

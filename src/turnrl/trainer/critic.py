@@ -6,7 +6,7 @@ Two placements (``algorithm.critic``):
   are detached, so the value loss trains the head only and never pulls the policy; the
   cheapest critic, and the one that shares the policy's view of the context.
 - ``model``: a separate value model, a copy of the policy as RL starts plus a value head,
-  trained whole with its own optimizer and learning rate (``critic_lr``).
+  trained whole with its own optimizer and learning rate (``algorithm.critic.lr``).
 
 The value of sampled token t is read at position t - 1, the state the token was chosen in
 (the same position its log-prob comes from). Values exist only where ``loss_mask`` is 1:
@@ -32,7 +32,7 @@ class Critic:
 
     def __init__(self, policy: Any, config: AlgorithmConfig) -> None:
         self.config = config
-        self.shared = config.critic == "head"
+        self.shared = config.critic.placement == "head"
         self.trunk = policy if self.shared else copy.deepcopy(policy)
         hidden = int(policy.config.hidden_size)
         param = next(policy.parameters())
@@ -42,7 +42,7 @@ class Critic:
         params = list(self.head.parameters())
         if not self.shared:
             params += list(self.trunk.parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=config.critic_lr)
+        self.optimizer = torch.optim.AdamW(params, lr=config.critic.lr)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: the head, the trunk (separate model only), the
@@ -78,14 +78,14 @@ class Critic:
         returns: Sequence[torch.Tensor],
         old_values: Sequence[torch.Tensor],
     ) -> dict[str, float]:
-        """``critic_epochs`` optimizer steps on the clipped value loss (token mean over the
+        """``critic.epochs`` optimizer steps on the clipped value loss (token mean over the
         whole batch, exact under micro-batching)."""
         cfg = self.config
         num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
-        clip = cfg.value_clip if cfg.value_clip > 0 else None
+        clip = cfg.critic.value_clip if cfg.critic.value_clip > 0 else None
         self.trunk.train()
         totals = {"loss": 0.0, "clipped": 0.0, "error": 0.0}
-        for epoch in range(cfg.critic_epochs):
+        for epoch in range(cfg.critic.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for mb, ret, old in zip(micro, returns, old_values, strict=True):
                 values = self.values(mb, grad=True)

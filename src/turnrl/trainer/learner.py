@@ -9,6 +9,7 @@ logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from turnrl.algorithms import (
     turn_level_gae_advantages,
 )
 from turnrl.errors import ConfigError
-from turnrl.rollout.batch import Batch, pack
+from turnrl.rollout.batch import Batch, pack, per_token
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.trainer.critic import Critic
 from turnrl.trainer.forward import (
@@ -57,7 +58,7 @@ __all__ = [
 class Learner:
     """Owns the optimizer; ``step`` applies one update from one batch.
 
-    With ``kl_coef > 0`` the reference policy is ``reference`` (or a frozen copy of the
+    With ``kl.coef > 0`` the reference policy is ``reference`` (or a frozen copy of the
     model as it is now); otherwise no reference model exists.
     """
 
@@ -76,21 +77,21 @@ class Learner:
         self.config = config
         self.temperature = temperature
         self.max_length = max_length
-        self.kl_estimator = KL_ESTIMATORS[config.kl_estimator]
+        self.kl_estimator = KL_ESTIMATORS[config.kl.estimator]
         self.ref_model: Any = None
-        if config.kl_coef > 0:
+        if config.kl.coef > 0:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = ref.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.critic = Critic(model, config) if config.advantage == "gae" else None
-        self.token_budget = config.micro_batch_tokens or auto_token_budget(model)
+        self.token_budget = config.micro_batch.tokens or auto_token_budget(model)
         # Each choice resolved once, here (DESIGN.md invariant 5).
         self.reduction = REDUCTIONS[config.loss_reduction]
         self.policy_loss = POLICY_LOSSES[config.policy_loss]
-        self.correction = CORRECTIONS[config.off_policy]
-        if config.policy_loss == "ppo" and config.off_policy == "token_tis":
+        self.correction = CORRECTIONS[config.off_policy.correction]
+        if config.policy_loss == "ppo" and config.off_policy.correction == "token_tis":
             self.policy_loss, self.correction = _decoupled_ppo, _no_correction
 
     def step_samples(
@@ -105,10 +106,10 @@ class Learner:
 
     def _parts(self, lengths: Sequence[int]) -> list[list[int]]:
         """Micro-batches as lists of sample indices: sorted by length (little padding),
-        at most ``micro_batch_size`` samples and ``token_budget`` tokens each (padded
+        at most ``micro_batch.size`` samples and ``token_budget`` tokens each (padded
         rows x longest, or real tokens when packed), at least one sample each."""
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        size, budget = self.config.micro_batch_size, self.token_budget
+        size, budget = self.config.micro_batch.size, self.token_budget
         parts: list[list[int]] = []
         for i in order:
             part = parts[-1] if parts else None
@@ -116,7 +117,7 @@ class Learner:
                 grown = len(part) + 1
                 cost = (
                     sum(lengths[j] for j in part) + lengths[i]
-                    if self.config.sequence_layout == "packed"
+                    if self.config.micro_batch.layout == "packed"
                     else grown * lengths[i]  # sorted: the new sample is the longest
                 )
                 if not budget or cost <= budget:
@@ -144,14 +145,14 @@ class Learner:
         list per sample (0 where nothing was sampled). On-policy, the sampler's log-probs
         stand for the policy's, so only the reference runs."""
         if self.ref_model is None:
-            raise ConfigError("a KL in the reward needs algorithm.kl_coef > 0")
+            raise ConfigError("a KL in the reward needs algorithm.kl.coef > 0")
         out: list[list[float]] = [[] for _ in samples]
         for part in self._parts([len(s.input_ids) for s in samples]):
             mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
             with torch.no_grad():
                 ref, _ = token_logprobs(
                     self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                    self.temperature, layout=self.config.sequence_layout,
+                    self.temperature, layout=self.config.micro_batch.layout,
                 )  # fmt: skip
             kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
             kl = torch.where(mb.loss_mask, kl, 0.0)
@@ -175,24 +176,28 @@ class Learner:
         if any(isinstance(r, float) for r in token_rewards):
             raise ValueError("step_samples_gae takes one reward per token of each sample")
         cfg = self.config
-        # Packed with the token rewards in the advantages slot; GAE replaces them below.
-        chunks = self._chunks(samples, token_rewards, pad_id)
+        parts = self._parts([len(s.input_ids) for s in samples])
+        chunks = [pack([samples[i] for i in part], [0.0] * len(part), pad_id) for part in parts]
+        rewards = [
+            per_token([samples[i] for i in part], [token_rewards[i] for i in part])
+            for part in parts
+        ]
         values = [self.critic.values(mb) for mb in chunks]
-        if cfg.gae_level == "turn":
+        if cfg.gae.level == "turn":
             estimate = functools.partial(
-                turn_level_gae_advantages, gamma=cfg.gae_gamma, lam=cfg.gae_lambda,
-                turn_gamma=cfg.gae_turn_gamma,
+                turn_level_gae_advantages, gamma=cfg.gae.gamma, lam=cfg.gae.lam,
+                turn_gamma=cfg.gae.turn_gamma,
             )  # fmt: skip
         else:
-            estimate = functools.partial(gae_advantages, gamma=cfg.gae_gamma, lam=cfg.gae_lambda)
+            estimate = functools.partial(gae_advantages, gamma=cfg.gae.gamma, lam=cfg.gae.lam)
         gae = [
-            estimate(mb.advantages, v, mb.loss_mask) for mb, v in zip(chunks, values, strict=True)
+            estimate(r, v, mb.loss_mask) for r, v, mb in zip(rewards, values, chunks, strict=True)
         ]
         advantages = [g.advantages for g in gae]
-        if cfg.whiten_advantages:
+        if cfg.gae.whiten:
             advantages = _whiten_across(advantages, [mb.loss_mask for mb in chunks])
         policy_batches = [
-            Batch(mb.input_ids, mb.attention_mask, mb.loss_mask, mb.old_logprobs, adv.float())
+            dataclasses.replace(mb, advantages=adv.float())
             for mb, adv in zip(chunks, advantages, strict=True)
         ]
         metrics = self.step(policy_batches)
@@ -209,8 +214,8 @@ class Learner:
         cfg = self.config
         if isinstance(batch, Batch):
             micro = [
-                batch.select(slice(s, s + cfg.micro_batch_size))
-                for s in range(0, batch.num_sequences, cfg.micro_batch_size)
+                batch.select(slice(s, s + cfg.micro_batch.size))
+                for s in range(0, batch.num_sequences, cfg.micro_batch.size)
             ]
         else:
             micro = list(batch)
@@ -280,7 +285,7 @@ class Learner:
         for i, mb in enumerate(micro):
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
-                entropy_grad=cfg.entropy_coef > 0, layout=cfg.sequence_layout,
+                entropy_grad=cfg.entropy_coef > 0, layout=cfg.micro_batch.layout,
             )  # fmt: skip
             if first:
                 proximal.append(logprobs.detach())
@@ -289,16 +294,16 @@ class Learner:
             totals["loss"] += float(loss.detach())
             if cfg.entropy_coef > 0:
                 loss = loss - cfg.entropy_coef * self._reduce(entropy, mb.loss_mask, norms)
-            if self.ref_model is not None and cfg.kl_placement == "loss":
+            if self.ref_model is not None and cfg.kl.placement == "loss":
                 with torch.no_grad():
                     ref, _ = token_logprobs(
                         self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                        self.temperature, layout=cfg.sequence_layout,
+                        self.temperature, layout=cfg.micro_batch.layout,
                     )  # fmt: skip
                 kl = self._reduce(
                     self.kl_estimator(logprobs, ref, mb.loss_mask), mb.loss_mask, norms
                 )
-                loss = loss + cfg.kl_coef * kl
+                loss = loss + cfg.kl.coef * kl
                 totals["kl"] += float(kl.detach())
             torch.autograd.backward(loss)
             with torch.no_grad():
@@ -387,8 +392,8 @@ def _ppo(
     adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
 ) -> PolicyLossOutput:  # fmt: skip
     return clipped_policy_loss(
-        logprobs, proximal, adv, mb.loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        dual_clip=cfg.dual_clip or None,
+        logprobs, proximal, adv, mb.loss_mask, eps_low=cfg.clip.low, eps_high=cfg.clip.high,
+        dual_clip=cfg.clip.dual or None,
     )  # fmt: skip
 
 
@@ -398,7 +403,7 @@ def _gspo(
 ) -> PolicyLossOutput:  # fmt: skip
     seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mb.loss_mask)
     return gspo_policy_loss(
-        logprobs, proximal, seq_adv, mb.loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+        logprobs, proximal, seq_adv, mb.loss_mask, eps_low=cfg.clip.low, eps_high=cfg.clip.high
     )
 
 
@@ -407,10 +412,10 @@ def _decoupled_ppo(
     adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
 ) -> PolicyLossOutput:  # fmt: skip
     """PPO clip around the proximal policy, reweighted by pi_prox / pi_sampler capped at
-    ``tis_cap``: PPO with token-level TIS is decoupled PPO (AReaL)."""
+    ``off_policy.cap``: PPO with token-level TIS is decoupled PPO (AReaL)."""
     return decoupled_policy_loss(
-        logprobs, proximal, sampler, adv, mb.loss_mask, eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high, max_weight=cfg.tis_cap, dual_clip=cfg.dual_clip or None,
+        logprobs, proximal, sampler, adv, mb.loss_mask, eps_low=cfg.clip.low,
+        eps_high=cfg.clip.high, max_weight=cfg.off_policy.cap, dual_clip=cfg.clip.dual or None,
     )  # fmt: skip
 
 
@@ -427,8 +432,8 @@ Correction = Callable[
 def _no_correction(
     out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
 ) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
-    if cfg.off_policy == "token_tis":  # decoupled PPO applied the weights: report them
-        w = token_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.tis_cap)
+    if cfg.off_policy.correction == "token_tis":  # decoupled PPO applied the weights: report them
+        w = token_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.off_policy.cap)
         return out, mb.loss_mask, w.metrics
     return out, mb.loss_mask, {}
 
@@ -436,21 +441,23 @@ def _no_correction(
 def _token_tis(
     out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
 ) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
-    w = token_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.tis_cap)
+    w = token_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.off_policy.cap)
     return _reweighted(out, w.weights, mb.loss_mask), mb.loss_mask, w.metrics
 
 
 def _sequence_tis(
     out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
 ) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
-    w = sequence_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.tis_cap)
+    w = sequence_tis_weights(proximal, mb.old_logprobs, mb.loss_mask, cap=cfg.off_policy.cap)
     return _reweighted(out, w.weights, mb.loss_mask), mb.loss_mask, w.metrics
 
 
 def _sequence_mask(
     out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
 ) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
-    keep = sequence_ratio_mask(proximal, mb.old_logprobs, mb.loss_mask, max_ratio=cfg.tis_cap)
+    keep = sequence_ratio_mask(
+        proximal, mb.old_logprobs, mb.loss_mask, max_ratio=cfg.off_policy.cap
+    )
     return out, mb.loss_mask & keep.keep[:, None], keep.metrics
 
 

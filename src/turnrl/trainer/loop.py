@@ -171,7 +171,7 @@ def _start(
     reference = None
     if checkpoint is None:
         save_start_policy(run_dir, model, tokenizer)
-    elif config.algorithm.kl_coef > 0:
+    elif config.algorithm.kl.coef > 0:
         if not (run_dir / "start_model" / "config.json").is_file():
             raise ConfigError(
                 f"cannot resume {run_dir} with a KL term: its start_model (the reference "
@@ -294,10 +294,12 @@ def _warmup(
 def _on_alarm(config: Config, progress: bool) -> Config:
     """With ``monitor.action = "filter"``, the configuration from the next step on:
     StarPO-S variance filtering at ``monitor.filter_keep`` (unchanged if already on)."""
-    if config.monitor.action != "filter" or config.algorithm.variance_filter_keep < 1.0:
+    if config.monitor.action != "filter" or config.algorithm.filter.variance_keep < 1.0:
         return config
     keep = config.monitor.filter_keep
     _say(f"variance filtering on (keep the top {keep:.0%} of groups): monitor.action = filter",
          progress)  # fmt: skip
-    algorithm = dataclasses.replace(config.algorithm, variance_filter_keep=keep)
+    algorithm = dataclasses.replace(
+        config.algorithm, filter=dataclasses.replace(config.algorithm.filter, variance_keep=keep)
+    )
     return dataclasses.replace(config, algorithm=algorithm)

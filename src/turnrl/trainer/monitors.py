@@ -173,7 +173,7 @@ def default_rules(config: MonitorConfig) -> tuple[Rule, ...]:
         Rule(
             "entropy_collapse", "loss/entropy", "fall", "record", c.entropy_frac, 0.05,
             "the policy is becoming deterministic and stops exploring: consider clip-higher "
-            "(DAPO, eps_high = 0.28), a higher temperature, a KL or entropy term, or a lower "
+            "(DAPO, algorithm.clip.high = 0.28), a higher temperature, a KL or entropy term, or a lower "
             "learning rate.",
             quiet_when_solved=True,
         ),

@@ -102,7 +102,7 @@ def train_step(t: Trainer, step: int, trajectories_out: TextIO) -> Row:
     row = {"step": step + 1, **rollout_metrics(sampled), **row}
     row.update({f"rollout/{name}": float(value) for name, value in lag.items()})
     row["rollout/dropped_errors"] = float(sum(x.error is not None for g in groups for x in g))
-    if t.config.algorithm.overlong_filter:
+    if t.config.algorithm.overlong.filter:
         row["select/truncated_excluded"] = float(sum(x.truncated for g in groups for x in g))
     tokens = sum(x.num_tokens for g in sampled for x in g)
     row["perf/rollout_s"], row["perf/train_s"], row["perf/step_s"] = t1 - t0, t2 - t1, t2 - t0
@@ -116,16 +116,16 @@ def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
 
     ``prompts_per_step`` groups; with DAPO dynamic sampling, only groups whose rewards
     differ (``informative_groups``) are kept and more prompts are sampled (at most
-    ``max_sample_rounds`` rounds in all) until the batch is full.
+    ``filter.max_rounds`` rounds in all) until the batch is full.
     """
     r, algo = t.config.rollout, t.config.algorithm
     kept: Groups = []
     sampled: Groups = []
     rounds = 0
-    while rounds < algo.max_sample_rounds and len(kept) < r.prompts_per_step:
+    while rounds < algo.filter.max_rounds and len(kept) < r.prompts_per_step:
         # Round 0 reads the usual task stream; extra rounds read a disjoint range.
         base = step * r.prompts_per_step if rounds == 0 else EXTRA_TASKS + (
-            step * algo.max_sample_rounds + rounds
+            step * algo.filter.max_rounds + rounds
         ) * r.prompts_per_step  # fmt: skip
         tasks = [t.spec.task(base + j) for j in range(r.prompts_per_step)]
         seed = derive_seed(t.config.seed, step, *([rounds] if rounds else []))
@@ -137,11 +137,11 @@ def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
         )
         sampled.extend(new)
         rounds += 1
-        if algo.dynamic_sampling:
+        if algo.filter.dynamic_sampling:
             new = [g for g in new if _informative(g)]
         kept.extend(new)
     row: Row = {}
-    if algo.dynamic_sampling:
+    if algo.filter.dynamic_sampling:
         row["select/sample_rounds"] = float(rounds)
         row["select/groups_sampled"] = float(len(sampled))
         row["select/groups_kept"] = float(len(kept[: r.prompts_per_step]))
@@ -158,15 +158,15 @@ def _informative(group: Sequence[Trajectory]) -> bool:
 
 def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
     """Every change to the rewards, in one place: DAPO's soft overlong penalty (a reward
-    component and part of the reward) and, with ``kl_placement = "reward"``, the KL to the
+    component and part of the reward) and, with ``kl.placement = "reward"``, the KL to the
     reference (the ``kl_penalty`` component: summed into the reward for sequence-level
     estimators, returned per token for those that pay it token by token)."""
     algo, r = t.config.algorithm, t.config.rollout
-    if algo.overlong_cache_tokens and groups:
+    if algo.overlong.penalty_tokens and groups:
         lengths = torch.tensor([[x.num_completion_tokens for x in g] for g in groups])
         penalty = overlong_penalty(
             lengths.reshape(-1), max_length=r.max_episode_tokens,
-            cache_length=algo.overlong_cache_tokens,
+            cache_length=algo.overlong.penalty_tokens,
         ).reshape(lengths.shape).tolist()  # fmt: skip
         for group, group_penalty in zip(groups, penalty, strict=True):
             for traj, p in zip(group, group_penalty, strict=True):
@@ -175,7 +175,7 @@ def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
         row["select/overlong_penalty_mean"] = float(sum(map(sum, penalty))) / max(
             1, sum(map(len, penalty))
         )
-    if algo.kl_placement != "reward" or algo.kl_coef == 0:
+    if algo.kl.placement != "reward" or algo.kl.coef == 0:
         return {}
     trajectories = [x for g in groups for x in trainable(g)]
     samples = [s for x in trajectories for s in x.samples()]
@@ -183,7 +183,7 @@ def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
     out: dict[int, list[list[float]]] = {}
     for traj in trajectories:
         kl = [next(per_sample) for _ in traj.samples()]
-        kl_penalty = -algo.kl_coef * sum(map(sum, kl))
+        kl_penalty = -algo.kl.coef * sum(map(sum, kl))
         traj.reward_components["kl_penalty"] = kl_penalty
         if not t.estimator.token_kl:
             traj.reward += kl_penalty
@@ -192,8 +192,8 @@ def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
 
 
 def select(t: Trainer, groups: Groups, row: Row) -> Groups:
-    """StarPO-S: keep the top ``variance_filter_keep`` of groups by reward std (all when 1)."""
-    keep = t.config.algorithm.variance_filter_keep
+    """StarPO-S: keep the top ``algorithm.filter.variance_keep`` of groups by reward std (all when 1)."""
+    keep = t.config.algorithm.filter.variance_keep
     if keep >= 1.0 or not groups:
         return groups
     rewards = torch.tensor([[x.reward for x in g] for g in groups], dtype=torch.float64)
@@ -211,7 +211,7 @@ def trainable_samples(
     counts those)."""
     samples: list[Sample] = []
     sample_values: list[float | list[float]] = []
-    overlong_filter = t.config.algorithm.overlong_filter
+    overlong_filter = t.config.algorithm.overlong.filter
     for group, group_values in zip(groups, values, strict=True):
         keep = {id(x) for x in trainable(group) if not (overlong_filter and x.truncated)}
         for traj, value in zip(group, group_values, strict=True):
