@@ -13,7 +13,7 @@ def multiply(a: int, b: int) -> int:
 
 
 def make_task(index: int, split: str) -> Task:
-    a, b = random.Random(f"{split}-{index}").sample(range(11, 100), 2)
+    a, b = random.Random(f"{split}-{index}").sample(range(2, 10), 2)
     prompt = ({"role": "user", "content": f"What is {a} times {b}?"},)
     return Task(id=f"{split}-{index}", prompt=prompt, answer=str(a * b))
 

@@ -7,10 +7,10 @@ holds your tasks (a list, or a function of the index) and your environment facto
 derives the last two when you give none:
 
 - the warm-up demonstration of a task: a call to one of the environment's tools with
-  arguments of the right types (numbers at random, strings taken from the task's prompt),
-  rendered by the environment's own format, then an answer made of a word or number of
-  the prompt. It shows the format only, never the solution, like the shipped families'
-  teachers;
+  arguments of the right types (numbers and strings taken from the task's prompt at
+  random), rendered by the environment's own format, then an answer made of a word or
+  number of the prompt or of the tool's reply. It shows the format only, never the
+  solution (the call's content is random), like the shipped families' teachers;
 - the corpus: the prompts and answers of the first tasks and the tools' names,
   descriptions and a rendered call of each.
 
@@ -114,17 +114,28 @@ class _Completed(Environment):
 
 
 async def default_demonstration(make_env: Callable[[], Env], task: Task, seed: int) -> list[str]:
-    """A call to a random tool of the task's environment with typed random arguments, in
-    its format, then an answer of a word or number from the prompt (format only)."""
+    """A call to a random tool of the task's environment with typed random arguments (a
+    number of the prompt where it has numbers), in its format, then an answer: a word or
+    number of the prompt or of the tool's reply. Format only: the call's content is random,
+    and the answer shows where answers come from, not which one is right. The call is
+    played once on a fresh environment to read its reply (the warm-up plays it again)."""
     rng = random.Random(seed)
-    schemas, fmt = await _tools_and_format(make_env, task)
-    turns = []
-    if schemas and fmt is not None:
-        function = rng.choice(schemas)["function"]
-        arguments = plausible_arguments(function.get("parameters", {}), task, rng)
-        turns.append(fmt.render_call(ToolCall(function["name"], arguments)))
-    turns.append(rng.choice(_words(task)))
-    return turns
+    env = make_env()
+    try:
+        await env.reset(task, rng.getrandbits(32))
+        schemas, fmt = _tools_and_format_of(env)
+        turns, words = [], _words(task)
+        if schemas and fmt is not None:
+            function = rng.choice(schemas)["function"]
+            arguments = plausible_arguments(function.get("parameters", {}), task, rng)
+            turns.append(fmt.render_call(ToolCall(function["name"], arguments)))
+            reply = await env.step(turns[-1])
+            seen = " ".join(str(m.get("content", "")) for m in reply.observation)
+            words += _words_in(seen)
+        turns.append(rng.choice(words))
+        return turns
+    finally:
+        await _close(env)
 
 
 def default_corpus(spec: Any, num_tasks: int = CORPUS_TASKS) -> list[str]:
@@ -162,10 +173,12 @@ def _value(schema: dict[str, Any], task: Task, rng: random.Random) -> Any:
         return rng.choice(list(schema["enum"]))
     kind = schema.get("type", "string")
     kind = kind[0] if isinstance(kind, list) and kind else kind
+    numbers = [w for w in _words(task) if w[-1].isdigit()]
     if kind == "integer":
-        return rng.randint(0, 20)
+        whole = [int(w) for w in numbers if "." not in w]
+        return rng.choice(whole) if whole else rng.randint(0, 20)
     if kind == "number":
-        return round(rng.uniform(0, 20), 1)
+        return float(rng.choice(numbers)) if numbers else round(rng.uniform(0, 20), 1)
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "array":
@@ -178,23 +191,36 @@ def _value(schema: dict[str, Any], task: Task, rng: random.Random) -> Any:
 def _words(task: Task) -> list[str]:
     """Words and numbers of the task's prompt (a fallback word if it has none)."""
     text = " ".join(str(m.get("content", "")) for m in task.prompt)
-    return re.findall(r"-?\d+(?:\.\d+)?|[A-Za-z][A-Za-z'-]*", text) or ["answer"]
+    return _words_in(text) or ["answer"]
+
+
+def _words_in(text: str) -> list[str]:
+    return re.findall(r"-?\d+(?:\.\d+)?|[A-Za-z][A-Za-z'-]*", text)
 
 
 async def _tools_and_format(
     make_env: Callable[[], Env], task: Task
 ) -> tuple[list[ToolSchema], Format | None]:
-    """The tools a fresh environment offers for ``task`` (its full schemas, whether or not
-    its format puts them in the template) and its format, if it has one."""
+    """The tools a fresh environment offers for ``task`` and its format, if it has one."""
     env = make_env()
     try:
         await env.reset(task, 0)
-        tools = getattr(env, "tools", None)
-        schemas = tools.schemas() if tools is not None and hasattr(tools, "schemas") else []
-        return list(schemas or env.tool_schemas()), getattr(env, "format", None)
+        return _tools_and_format_of(env)
     finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            result = close()
-            if inspect.isawaitable(result):
-                await result
+        await _close(env)
+
+
+def _tools_and_format_of(env: Env) -> tuple[list[ToolSchema], Format | None]:
+    """A reset environment's tools (their full schemas, whether or not its format puts
+    them in the template) and its format."""
+    tools = getattr(env, "tools", None)
+    schemas = tools.schemas() if tools is not None and hasattr(tools, "schemas") else []
+    return list(schemas or env.tool_schemas()), getattr(env, "format", None)
+
+
+async def _close(env: Env) -> None:
+    close = getattr(env, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result

@@ -25,6 +25,15 @@ else:  # Python 3.10: the same parser, from PyPI
 
 from turnrl.errors import ConfigError, ConfigRenamed
 
+
+def _require(checks: list[tuple[bool, str]]) -> None:
+    """Raise the first failed check's message: every section validates itself when it is
+    made, so a config built in Python is checked as one read from a recipe is."""
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "quickstart"
 
@@ -90,6 +99,22 @@ class RolloutConfig:
     tools, a tool's error) are observations and never count. A step whose every episode
     failed stops the run whatever this says: there is nothing to train on."""
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (
+                    self.group_size >= 2,
+                    "rollout.group_size must be >= 2 (advantages compare a group)",
+                ),
+                (self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
+                (self.max_turns >= 1, "rollout.max_turns must be >= 1"),
+                (0.0 <= self.max_error_frac <= 1.0, "rollout.max_error_frac must be in [0, 1]"),
+                (self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
+                (0.0 < self.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
+                (self.temperature > 0.0, "rollout.temperature must be > 0 for training"),
+            ]
+        )
+
 
 @dataclass(frozen=True)
 class ClipConfig:
@@ -102,6 +127,15 @@ class ClipConfig:
     dual: float = 0.0
     """Dual clip c (> 1) bounding the loss of negative-advantage tokens (PPO loss only); 0
     disables."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (0.0 <= self.low < 1.0, "algorithm.clip.low must be in [0, 1)"),
+                (self.high >= 0.0, "algorithm.clip.high must be >= 0"),
+                (self.dual == 0.0 or self.dual > 1.0, "algorithm.clip.dual must be 0 (off) or > 1"),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -117,6 +151,13 @@ class KLConfig:
     REINFORCE++'s way: per token for REINFORCE++ and GAE, summed over the sampled tokens
     for the group estimators); recorded as the ``kl_penalty`` component."""
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.coef >= 0.0, "algorithm.kl.coef must be >= 0"),
+            ]
+        )
+
 
 @dataclass(frozen=True)
 class FilterConfig:
@@ -130,6 +171,17 @@ class FilterConfig:
     variance_keep: float = 1.0
     """StarPO-S: keep this top fraction of groups by reward std (1 keeps all)."""
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.max_rounds >= 1, "algorithm.filter.max_rounds must be >= 1"),
+                (
+                    0.0 < self.variance_keep <= 1.0,
+                    "algorithm.filter.variance_keep must be in (0, 1]",
+                ),
+            ]
+        )
+
 
 @dataclass(frozen=True)
 class OverlongConfig:
@@ -142,6 +194,13 @@ class OverlongConfig:
     filter: bool = False
     """Overlong filtering: truncated episodes are not trained on."""
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.penalty_tokens >= 0, "algorithm.overlong.penalty_tokens must be >= 0"),
+            ]
+        )
+
 
 @dataclass(frozen=True)
 class OffPolicyConfig:
@@ -152,6 +211,13 @@ class OffPolicyConfig:
     dropping sequences whose ratio exceeds ``cap``."""
     cap: float = 2.0
     """Cap C of the truncated importance weights / the sequence mask's threshold."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.cap > 0.0, "algorithm.off_policy.cap must be > 0"),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -167,6 +233,15 @@ class CriticConfig:
     """Critic optimizer steps per rollout batch."""
     value_clip: float = 0.2
     """PPO value clipping range around the rollout's values (0: unclipped)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.lr > 0.0, "algorithm.critic.lr must be > 0"),
+                (self.epochs >= 1, "algorithm.critic.epochs must be >= 1"),
+                (self.value_clip >= 0.0, "algorithm.critic.value_clip must be >= 0"),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -185,6 +260,15 @@ class GAEConfig:
     whiten: bool = True
     """Whiten the advantages over the batch's sampled tokens (PPO's usual practice)."""
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (0.0 <= self.gamma <= 1.0, "algorithm.gae.gamma must be in [0, 1]"),
+                (0.0 <= self.lam <= 1.0, "algorithm.gae.lam must be in [0, 1]"),
+                (0.0 <= self.turn_gamma <= 1.0, "algorithm.gae.turn_gamma must be in [0, 1]"),
+            ]
+        )
+
 
 @dataclass(frozen=True)
 class GiGPOConfig:
@@ -194,6 +278,14 @@ class GiGPOConfig:
     """Discount of the step-level returns."""
     omega: float = 1.0
     """Weight of the step-level term."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (0.0 <= self.gamma <= 1.0, "algorithm.gigpo.gamma must be in [0, 1]"),
+                (self.omega >= 0.0, "algorithm.gigpo.omega must be >= 0"),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -211,6 +303,14 @@ class MicroBatchConfig:
     """``padded`` rows (the common prefix of the rows run once), ``packed`` back to back
     (no padding, no prefix reuse), or ``auto``: whichever computes fewer token positions
     (agent groups sharing a long prompt pad; sequences of very different lengths pack)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.size >= 1, "algorithm.micro_batch.size must be >= 1"),
+                (self.tokens >= 0, "algorithm.micro_batch.tokens must be >= 0"),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -260,6 +360,19 @@ class AlgorithmConfig:
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.lr > 0.0, "algorithm.lr must be > 0"),
+                (self.epochs >= 1, "algorithm.epochs must be >= 1"),
+                (self.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
+                (
+                    not (self.policy_loss == "gspo" and self.clip.dual),
+                    "algorithm.clip.dual applies to the ppo policy loss only",
+                ),
+            ]
+        )
+
 
 RENAMED = {
     "eps_low": "clip.low", "eps_high": "clip.high", "dual_clip": "clip.dual",
@@ -290,6 +403,13 @@ class WarmupConfig:
     lr: float = 3e-3
     """AdamW learning rate."""
 
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.steps >= 0, "warmup.steps must be >= 0"),
+            ]
+        )
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -299,6 +419,13 @@ class EvalConfig:
     """Evaluate every this many steps (and before the first and after the last)."""
     num_tasks: int = 128
     """Held-out tasks, one sample each, at the training temperature."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.every >= 1, "eval.every must be >= 1"),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -383,9 +510,7 @@ class MonitorConfig:
             (self.mismatch_rise > 1.0, "monitor.mismatch_rise must be > 1"),
             (self.solved_success > 0.0, "monitor.solved_success must be > 0"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+        _require(checks)
 
 
 @dataclass(frozen=True)
@@ -416,63 +541,20 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        a = self.algorithm
-        mb, clip, gigpo, critic, gae, filt = (
-            a.micro_batch,
-            a.clip,
-            a.gigpo,
-            a.critic,
-            a.gae,
-            a.filter,
+        # Each section checks its own fields when it is made; here only what spans sections.
+        penalty, longest = self.algorithm.overlong.penalty_tokens, self.rollout.max_episode_tokens
+        _require(
+            [
+                (self.steps >= 0, "steps must be >= 0"),
+                (self.save_every >= 1, "save_every must be >= 1"),
+                (self.max_minutes >= 0.0, "max_minutes must be >= 0"),
+                (
+                    penalty <= longest,
+                    f"algorithm.overlong.penalty_tokens ({penalty}) must be <= "
+                    f"rollout.max_episode_tokens ({longest})",
+                ),
+            ]
         )
-        checks = [
-            (self.steps >= 0, "steps must be >= 0"),
-            (self.rollout.group_size >= 2, "rollout.group_size must be >= 2 for GRPO"),
-            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
-            (self.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
-            (
-                0.0 <= self.rollout.max_error_frac <= 1.0,
-                "rollout.max_error_frac must be in [0, 1]",
-            ),
-            (self.rollout.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
-            (0.0 < self.rollout.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
-            (self.rollout.temperature > 0.0, "rollout.temperature must be > 0 for training"),
-            (self.algorithm.lr > 0.0, "algorithm.lr must be > 0"),
-            (self.algorithm.epochs >= 1, "algorithm.epochs must be >= 1"),
-            (self.algorithm.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
-            (mb.size >= 1, "algorithm.micro_batch.size must be >= 1"),
-            (mb.tokens >= 0, "algorithm.micro_batch.tokens must be >= 0"),
-            (0.0 <= clip.low < 1.0, "algorithm.clip.low must be in [0, 1)"),
-            (clip.high >= 0.0, "algorithm.clip.high must be >= 0"),
-            (clip.dual == 0.0 or clip.dual > 1.0, "algorithm.clip.dual must be 0 (off) or > 1"),
-            (
-                not (self.algorithm.policy_loss == "gspo" and clip.dual),
-                "algorithm.clip.dual applies to the ppo policy loss only",
-            ),
-            (self.algorithm.kl.coef >= 0.0, "algorithm.kl.coef must be >= 0"),
-            (0.0 <= gigpo.gamma <= 1.0, "algorithm.gigpo.gamma must be in [0, 1]"),
-            (gigpo.omega >= 0.0, "algorithm.gigpo.omega must be >= 0"),
-            (self.algorithm.off_policy.cap > 0.0, "algorithm.off_policy.cap must be > 0"),
-            (critic.lr > 0.0, "algorithm.critic.lr must be > 0"),
-            (critic.epochs >= 1, "algorithm.critic.epochs must be >= 1"),
-            (critic.value_clip >= 0.0, "algorithm.critic.value_clip must be >= 0"),
-            (0.0 <= gae.gamma <= 1.0, "algorithm.gae.gamma must be in [0, 1]"),
-            (0.0 <= gae.lam <= 1.0, "algorithm.gae.lam must be in [0, 1]"),
-            (0.0 <= gae.turn_gamma <= 1.0, "algorithm.gae.turn_gamma must be in [0, 1]"),
-            (filt.max_rounds >= 1, "algorithm.filter.max_rounds must be >= 1"),
-            (0.0 < filt.variance_keep <= 1.0, "algorithm.filter.variance_keep must be in (0, 1]"),
-            (
-                0 <= self.algorithm.overlong.penalty_tokens <= self.rollout.max_episode_tokens,
-                "algorithm.overlong.penalty_tokens must be in 0..rollout.max_episode_tokens",
-            ),
-            (self.warmup.steps >= 0, "warmup.steps must be >= 0"),
-            (self.eval.every >= 1, "eval.every must be >= 1"),
-            (self.save_every >= 1, "save_every must be >= 1"),
-            (self.max_minutes >= 0.0, "max_minutes must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

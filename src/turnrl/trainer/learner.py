@@ -93,6 +93,14 @@ class Learner:
         self.correction = CORRECTIONS[config.off_policy.correction]
         if config.policy_loss == "ppo" and config.off_policy.correction == "token_tis":
             self.policy_loss, self.correction = _decoupled_ppo, _no_correction
+        g = config.gae
+        self.gae = (
+            functools.partial(
+                turn_level_gae_advantages, gamma=g.gamma, lam=g.lam, turn_gamma=g.turn_gamma
+            )
+            if g.level == "turn"
+            else functools.partial(gae_advantages, gamma=g.gamma, lam=g.lam)
+        )
 
     def step_samples(
         self,
@@ -183,15 +191,8 @@ class Learner:
             for part in parts
         ]
         values = [self.critic.values(mb) for mb in chunks]
-        if cfg.gae.level == "turn":
-            estimate = functools.partial(
-                turn_level_gae_advantages, gamma=cfg.gae.gamma, lam=cfg.gae.lam,
-                turn_gamma=cfg.gae.turn_gamma,
-            )  # fmt: skip
-        else:
-            estimate = functools.partial(gae_advantages, gamma=cfg.gae.gamma, lam=cfg.gae.lam)
         gae = [
-            estimate(r, v, mb.loss_mask) for r, v, mb in zip(rewards, values, chunks, strict=True)
+            self.gae(r, v, mb.loss_mask) for r, v, mb in zip(rewards, values, chunks, strict=True)
         ]
         advantages = [g.advantages for g in gae]
         if cfg.gae.whiten:
