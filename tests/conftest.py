@@ -43,7 +43,11 @@ def model(tiny_model_dir: Path) -> Any:
 def caller(model: Any, tokenizer: Any) -> Any:
     """The tiny model after a short syntax warm-up: it calls the tool, so episodes have
     several turns."""
-    warm = copy.deepcopy(model)
+    return warmed_up(copy.deepcopy(model), tokenizer, steps=40)
+
+
+def warmed_up(warm: Any, tokenizer: Any, steps: int) -> Any:
+    """``warm`` after ``steps`` of syntax warm-up on secret-lookup demonstrations."""
     spec = SecretLookup(num_keys=2, key_pool=2)
     demos = demonstration_trajectories(
         spec, tokenizer, ChatRenderer(tokenizer), count=256,
@@ -51,7 +55,7 @@ def caller(model: Any, tokenizer: Any) -> Any:
         sampling=SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=0,
     )  # fmt: skip
     supervised_warmup(
-        warm, warmup_samples(demos), WarmupConfig(steps=40, batch_size=16, lr=3e-3),
+        warm, warmup_samples(demos), WarmupConfig(steps=steps, batch_size=16, lr=3e-3),
         pad_id=int(tokenizer.pad_token_id), seed=0,
     )  # fmt: skip
     return warm

@@ -3,10 +3,12 @@ reproducibility with the same seed, and resume after a stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -229,3 +231,38 @@ def test_a_kl_in_the_reward_is_paid_and_recorded(tmp_path: Path, estimator: str)
     for t in logged:
         base = t["reward"] - (t["reward_components"]["kl_penalty"] if estimator == "grpo" else 0)
         assert base == pytest.approx(float(t["success"]), abs=1e-9)
+
+
+def test_the_start_up_check_records_the_gap_and_refuses_a_drifting_sampler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from turnrl.backends.engine import DecodeBatch
+    from turnrl.errors import BackendError
+
+    train(load_config(None, SMALL_RUN), tmp_path / "same", progress=False)
+    first = json.loads((tmp_path / "same" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0.0 <= first["startup/logprob_gap_max"] < 1e-5  # one model samples and learns
+
+    # A sampler whose numbers are not the learner's (here: log-probs reported 0.2 nats off,
+    # as an engine in another dtype or with stale weights would) stops the run before step 1.
+    completion = DecodeBatch._completion
+
+    def drifting(self: DecodeBatch, row: Any, reason: Any) -> Any:
+        out = completion(self, row, reason)
+        return dataclasses.replace(out, logprobs=tuple(x - 0.2 for x in out.logprobs))
+
+    monkeypatch.setattr(DecodeBatch, "_completion", drifting)
+    with pytest.raises(BackendError, match=r"differ by up to 0\.2"):
+        train(load_config(None, SMALL_RUN), tmp_path / "drift", progress=False)
+    rows = (tmp_path / "drift" / "metrics.jsonl").read_text()
+    assert rows == ""  # nothing was trained or recorded as a step
+
+
+def test_vllm_on_a_cpu_refuses_heads_its_kernel_cannot_run(tmp_path: Path) -> None:
+    from turnrl.backends.vllm_backend import _check_cpu_head_size
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4}')
+    with pytest.raises(ConfigError, match=r"has 16 \(64 / 4 heads\).*model.num_heads = 2"):
+        _check_cpu_head_size(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 2}')
+    _check_cpu_head_size(tmp_path)  # 32 wide: runs

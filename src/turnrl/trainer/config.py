@@ -92,6 +92,15 @@ class RolloutConfig:
     """Sampled tokens per episode."""
     max_context_tokens: int = 512
     """Prompt plus everything after it."""
+    backend: Literal["torch", "vllm"] = "torch"
+    """The sampling engine: turnrl's own torch sampler (the reference; shares the learner's
+    model), or vLLM in this process (``pip install 'turnrl[vllm]'``; weights synced in
+    place after every update). On a CPU, vLLM needs attention heads of at least 32 wide
+    (``model.hidden_size / model.num_heads``)."""
+    startup_tolerance: float = 1e-3
+    """Before step 1, the sampler's log-probs of a probe batch are compared with the
+    learner's: a larger gap (in nats, per token) stops the run, since training would
+    silently correct for engine drift. float32 engines agree to about 1e-6."""
     max_error_frac: float = 0.0
     """Share of a step's episodes that may fail with an exception (raised by the
     environment, a tool factory, the verifier or the backend) before the run stops with the
@@ -109,6 +118,7 @@ class RolloutConfig:
                 (self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
                 (self.max_turns >= 1, "rollout.max_turns must be >= 1"),
                 (0.0 <= self.max_error_frac <= 1.0, "rollout.max_error_frac must be in [0, 1]"),
+                (self.startup_tolerance > 0.0, "rollout.startup_tolerance must be > 0"),
                 (self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
                 (0.0 < self.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
                 (self.temperature > 0.0, "rollout.temperature must be > 0 for training"),
@@ -206,9 +216,11 @@ class OverlongConfig:
 class OffPolicyConfig:
     """The sampler/learner mismatch pi_learner / pi_sampler (``algorithm.off_policy``)."""
 
-    correction: Literal["none", "token_tis", "sequence_tis", "sequence_mask"] = "none"
+    correction: Literal["auto", "none", "token_tis", "sequence_tis", "sequence_mask"] = "auto"
     """Truncated importance weights per token or per sequence (capped at ``cap``), or
-    dropping sequences whose ratio exceeds ``cap``."""
+    dropping sequences whose ratio exceeds ``cap``; ``auto`` is ``token_tis`` when another
+    engine samples (``rollout.backend = "vllm"``) and ``none`` when the learner's own model
+    does."""
     cap: float = 2.0
     """Cap C of the truncated importance weights / the sequence mask's threshold."""
 
@@ -560,6 +572,17 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def resolved(config: Config) -> Config:
+    """``config`` with its ``auto`` choices made: ``algorithm.off_policy.correction`` is
+    ``token_tis`` under vLLM (another engine's numerics) and ``none`` otherwise."""
+    off = config.algorithm.off_policy
+    if off.correction != "auto":
+        return config
+    made = OffPolicyConfig("token_tis" if config.rollout.backend == "vllm" else "none", off.cap)
+    algorithm = dataclasses.replace(config.algorithm, off_policy=made)
+    return dataclasses.replace(config, algorithm=algorithm)
+
+
 def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
     renamed: list[str] = []
@@ -772,10 +795,10 @@ def inert_settings(config: Config) -> list[str]:
     (e.g. ``gigpo.omega`` under GRPO), one message each: a typo or a misunderstanding
     is better caught before the run than after."""
     out: dict[str, str] = {}
-    for name, active, when in _inert_rules(config.algorithm):
+    for name, active, when in _inert_rules(resolved(config).algorithm):
         if active:
             continue
-        for key, value in _changed(config.algorithm, AlgorithmConfig(), name):
+        for key, value in _changed(resolved(config).algorithm, AlgorithmConfig(), name):
             out.setdefault(
                 key, f"algorithm.{key} = {value!r} has no effect: it applies only with {when}"
             )

@@ -90,7 +90,7 @@ class Learner:
         # Each choice resolved once, here (DESIGN.md invariant 5).
         self.reduction = REDUCTIONS[config.loss_reduction]
         self.policy_loss = POLICY_LOSSES[config.policy_loss]
-        self.correction = CORRECTIONS[config.off_policy.correction]
+        self.correction = CORRECTIONS[config.off_policy.correction]  # "auto": none here
         if config.policy_loss == "ppo" and config.off_policy.correction == "token_tis":
             self.policy_loss, self.correction = _decoupled_ppo, _no_correction
         g = config.gae
@@ -167,6 +167,23 @@ class Learner:
             for row, i in enumerate(part):
                 out[i] = kl[row, : len(samples[i].input_ids)].tolist()
         return out
+
+    def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:
+        """The largest |sampler log-prob - this policy's log-prob| over the sampled tokens
+        of ``samples`` (their recorded log-probs against a recomputation, at the sampling
+        temperature): 0 up to float rounding when the engine samples this policy."""
+        worst = 0.0
+        for part in self._parts([len(s.input_ids) for s in samples]):
+            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
+            with torch.no_grad():
+                ours, _ = token_logprobs(
+                    self.model, mb.input_ids, mb.attention_mask, mb.loss_mask,
+                    self.temperature, layout=self.config.micro_batch.layout,
+                )  # fmt: skip
+            gap = (ours - mb.old_logprobs).abs()[mb.loss_mask]
+            if gap.numel():
+                worst = max(worst, float(gap.max()))
+        return worst
 
     def step_samples_gae(
         self,
@@ -464,6 +481,7 @@ def _sequence_mask(
 
 CORRECTIONS: dict[str, Correction] = {
     "none": _no_correction,
+    "auto": _no_correction,  # the trainer resolves it (config.resolved); a bare learner: none
     "token_tis": _token_tis,  # with PPO the trainer uses _decoupled_ppo instead
     "sequence_tis": _sequence_tis,
     "sequence_mask": _sequence_mask,

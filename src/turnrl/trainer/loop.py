@@ -23,9 +23,11 @@ from tqdm import tqdm
 
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import EnvSpec, make_env_spec
-from turnrl.errors import ConfigError
+from turnrl.errors import BackendError, ConfigError
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
 from turnrl.models.loading import stop_token_ids
+from turnrl.protocols import Backend
+from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.rollout.failures import check_failures
@@ -38,7 +40,7 @@ from turnrl.trainer.checkpoint import (
     save_checkpoint,
     save_start_policy,
 )
-from turnrl.trainer.config import Config, inert_settings
+from turnrl.trainer.config import Config, inert_settings, resolved
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.sinks import MetricSinks
@@ -77,6 +79,7 @@ def train(
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
+    config = resolved(config)  # what runs is what is recorded: no "auto" left
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     for message in inert_settings(config):
         _say(f"warning: {message}", progress)
@@ -101,6 +104,7 @@ def train(
         t, tokenizer, first = _start(config, spec, run_dir, checkpoint, progress)
         start = load_state(t, checkpoint) if checkpoint is not None else 0
         monitor = Monitor(config.monitor)
+        first.update(check_sampler(t))
         if checkpoint is None:
             emit({**first, **evaluate(t)})
         else:  # replay the run so far: raised alarms stay latched
@@ -182,12 +186,52 @@ def _start(
         model, config.algorithm, temperature=r.temperature, reference=reference,
         max_length=r.max_episode_tokens,
     )  # fmt: skip
-    backend = TorchBackend(model, tokenizer)
+    backend = _backend(config, model, tokenizer, model_path)
     return (
         Trainer.build(config, spec, backend, learner, renderer, limits, sampling),
         tokenizer,
         first,
     )
+
+
+def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Backend:
+    """The sampling engine ``rollout.backend`` names, holding ``model``'s current weights."""
+    if config.rollout.backend == "torch":
+        return TorchBackend(model, tokenizer)  # the learner's own model: nothing to sync
+    from turnrl.backends.vllm_backend import VLLMBackend
+
+    r = config.rollout
+    engine = VLLMBackend(
+        model_path, tokenizer, seed=config.seed,
+        max_model_len=r.max_context_tokens + r.max_tokens_per_turn,
+    )  # fmt: skip
+    engine.load_weights(model)  # the warmed-up (or resumed) weights, not the directory's
+    return engine
+
+
+def check_sampler(t: Trainer) -> Row:
+    """Before step 1: the engine's log-probs of a probe batch against the learner's.
+
+    A gap above ``rollout.startup_tolerance`` stops the run with what was measured: the
+    importance weights would otherwise correct (or hide) an engine that samples from
+    other numbers than the learner trains (another dtype or kernel, unsynced weights)."""
+    c = t.config
+    tasks = [t.spec.task(i, split="test") for i in range(4)]
+    probe = GroupSpec(2, t.limits, t.sampling, seed=derive_seed(c.seed, "startup"))
+    groups = t.backend.run(collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, probe))
+    samples = [s for g in groups for x in trainable(g) for s in x.samples()]
+    if not samples:
+        return {}
+    gap = t.learner.sampler_gap(samples, t.backend.pad_id)
+    if gap > c.rollout.startup_tolerance:
+        raise BackendError(
+            f"the sampler ({c.rollout.backend}) and the learner disagree before training: "
+            f"log-probs of the same tokens differ by up to {gap:.3g} nats "
+            f"(rollout.startup_tolerance = {c.rollout.startup_tolerance:g}). Check that "
+            "both run the same weights in the same dtype; the gap would otherwise be "
+            "trained on as if it were the policy's."
+        )
+    return {"startup/logprob_gap_max": gap}
 
 
 def load_state(t: Trainer, checkpoint: Path) -> int:
