@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -148,6 +148,20 @@ class Learner:
             for part in parts
         ]
 
+    def _scored(
+        self, model: Any, samples: Sequence[Sample], pad_id: int
+    ) -> Iterator[tuple[list[int], Batch, torch.Tensor]]:
+        """Micro-batches of ``samples`` (their indices, the packed batch) with ``model``'s
+        log-probs of their sampled tokens at the sampling temperature, without gradients."""
+        for part in self._parts([len(s.input_ids) for s in samples]):
+            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
+            with torch.no_grad():
+                logprobs, _ = token_logprobs(
+                    model, mb.input_ids, mb.attention_mask, mb.loss_mask,
+                    self.temperature, layout=self.config.micro_batch.layout,
+                )  # fmt: skip
+            yield part, mb, logprobs
+
     def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
         """The configured KL estimate of each sampled token to the reference policy, one
         list per sample (0 where nothing was sampled). On-policy, the sampler's log-probs
@@ -155,13 +169,7 @@ class Learner:
         if self.ref_model is None:
             raise ConfigError("a KL in the reward needs algorithm.kl.coef > 0")
         out: list[list[float]] = [[] for _ in samples]
-        for part in self._parts([len(s.input_ids) for s in samples]):
-            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
-            with torch.no_grad():
-                ref, _ = token_logprobs(
-                    self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                    self.temperature, layout=self.config.micro_batch.layout,
-                )  # fmt: skip
+        for part, mb, ref in self._scored(self.ref_model, samples, pad_id):
             kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
             kl = torch.where(mb.loss_mask, kl, 0.0)
             for row, i in enumerate(part):
@@ -172,18 +180,11 @@ class Learner:
         """The largest |sampler log-prob - this policy's log-prob| over the sampled tokens
         of ``samples`` (their recorded log-probs against a recomputation, at the sampling
         temperature): 0 up to float rounding when the engine samples this policy."""
-        worst = 0.0
-        for part in self._parts([len(s.input_ids) for s in samples]):
-            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
-            with torch.no_grad():
-                ours, _ = token_logprobs(
-                    self.model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                    self.temperature, layout=self.config.micro_batch.layout,
-                )  # fmt: skip
-            gap = (ours - mb.old_logprobs).abs()[mb.loss_mask]
-            if gap.numel():
-                worst = max(worst, float(gap.max()))
-        return worst
+        gaps = [
+            (ours - mb.old_logprobs).abs()[mb.loss_mask]
+            for _, mb, ours in self._scored(self.model, samples, pad_id)
+        ]
+        return max((float(g.max()) for g in gaps if g.numel()), default=0.0)
 
     def step_samples_gae(
         self,
