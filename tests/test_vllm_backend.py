@@ -23,6 +23,7 @@ from turnrl.backends.vllm_backend import VLLMBackend  # noqa: E402
 from turnrl.envs import SecretLookup  # noqa: E402
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer  # noqa: E402
 from turnrl.models.loading import stop_token_ids  # noqa: E402
+from turnrl.models.lora import add_lora, merged_state_dict  # noqa: E402
 from turnrl.rollout.chat import ChatRenderer  # noqa: E402
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams  # noqa: E402
 from turnrl.rollout.groups import GroupSpec, collect_groups  # noqa: E402
@@ -105,6 +106,37 @@ def test_log_probs_are_the_learner_s_before_and_after_a_weight_sync(
     worst, count = learner_gap(model, collect(engine, tokenizer))
     assert count > 50
     assert worst < 1e-5
+
+
+def test_a_lora_policy_reaches_the_engine_merged_and_exact(
+    engine: VLLMBackend, vllm_model_dir: Path
+) -> None:
+    """LoRA: the engine gets the merged weights (W + scale * B @ A) and samples exactly
+    the learner's adapted policy, before and after an update of the adapters."""
+    tokenizer = load_tokenizer(vllm_model_dir)
+    model = add_lora(load_model(vllm_model_dir), rank=4, alpha=8.0, target_modules=["all-linear"])
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # adapters off their zero start: the policy is not the base
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    model.eval()
+    engine.weights_of = merged_state_dict
+    try:
+        engine.sync(model)
+        worst, count = learner_gap(model, collect(engine, tokenizer))
+        assert count > 50
+        assert worst < 1e-5
+        with torch.no_grad():  # an update of the adapters only
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        engine.sync(model)
+        worst, count = learner_gap(model, collect(engine, tokenizer))
+        assert count > 50
+        assert worst < 1e-5
+    finally:
+        engine.weights_of = lambda m: m.state_dict()
 
 
 def test_multi_turn_tool_episodes_are_token_exact(

@@ -122,6 +122,16 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--name", default=None, help="the model id to report")
     srv.set_defaults(run=_serve)
 
+    export = sub.add_parser(
+        "export", help="write a run's policy as one merged save_pretrained model"
+    )
+    export.add_argument("run_dir", type=Path, help="a run directory or a checkpoint directory")
+    export.add_argument("out", type=Path, help="the model directory to write")
+    export.add_argument(
+        "--step", type=int, default=None, help="a checkpoint step (default: latest)"
+    )
+    export.set_defaults(run=_export)
+
     doctor = sub.add_parser("doctor", help="versions, devices, sandbox, extras; a self-check")
     doctor.set_defaults(run=_doctor)
 
@@ -282,6 +292,15 @@ def _serve(args: argparse.Namespace) -> int:
     from turnrl.serving import serve
 
     serve(args.model, host=args.host, port=args.port, name=args.name)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from turnrl.trainer.checkpoint import export_model
+
+    exported = export_model(args.run_dir, args.out, step=args.step)
+    print(f"turnrl: wrote {args.out} (from {exported}); load it with "
+          "AutoModelForCausalLM.from_pretrained or serve it with vLLM")  # fmt: skip
     return 0
 
 

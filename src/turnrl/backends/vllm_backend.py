@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,8 +72,11 @@ class VLLMBackend:
         dtype: str = "float32",
         seed: int = 0,
         max_model_len: int | None = None,
+        weights_of: Callable[[Any], Mapping[str, Any]] | None = None,
         **engine_options: Any,
     ) -> None:
+        """``weights_of(model)``: the weights to load, under the checkpoint's names (default
+        ``model.state_dict()``; a LoRA model passes its merged weights)."""
         vllm = import_vllm()
         import torch
 
@@ -105,6 +108,7 @@ class VLLMBackend:
         pad = tokenizer.pad_token_id
         self.pad_id: int = int(pad if pad is not None else tokenizer.eos_token_id)
         self.syncs = 0
+        self.weights_of = weights_of or _state_dict
 
     def _params(self, request: GenerationRequest) -> Any:
         return self._vllm.SamplingParams(
@@ -160,7 +164,7 @@ class VLLMBackend:
     def load_weights(self, model: Any) -> None:
         """Put ``model``'s current weights into the engine in place (no disk round trip)
         and drop the prefix cache, whose keys and values the old weights computed."""
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+        weights = [(name, tensor.detach()) for name, tensor in self.weights_of(model).items()]
 
         def reload(worker: Any, weights: list[tuple[str, Any]] = weights) -> None:
             worker.model_runner.reload_weights(weights_iterator=iter(weights))
@@ -174,6 +178,11 @@ class VLLMBackend:
         self.load_weights(model)
         self.policy_version += 1
         self.syncs += 1
+
+
+def _state_dict(model: Any) -> Mapping[str, Any]:
+    state: Mapping[str, Any] = model.state_dict()
+    return state
 
 
 MIN_CPU_HEAD_SIZE = 32

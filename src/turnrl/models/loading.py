@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from turnrl.errors import ConfigError, TemplateError
+from turnrl.models.lora import ADAPTER_CONFIG, adapter_base, merged
 
 _T = TypeVar("_T")
 
@@ -60,12 +61,19 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> PreTrainedModel:
-    """The causal LM of a model directory or hub id, in eval mode on ``device``.
+    """The causal LM of a model directory or hub id, in eval mode on ``device``. A
+    directory of LoRA adapters (a LoRA run's checkpoint) loads as its base model with the
+    adapters merged.
 
     ``dtype=None`` means float32 on CPU (half precision is slow there and its rounding
     would make CPU runs differ from the reference math) and the checkpoint's own dtype on
     an accelerator.
     """
+    adapters = Path(str(name_or_path)).expanduser()
+    if (adapters / ADAPTER_CONFIG).is_file():  # LoRA adapters: their base, merged
+        base = load_model(adapter_base(adapters), dtype=dtype, device=device)
+        with_adapters: PreTrainedModel = merged(base, adapters).eval()
+        return with_adapters
     device = torch.device(device)
     if dtype is None:
         chosen: torch.dtype | str = torch.float32 if device.type == "cpu" else "auto"
@@ -78,15 +86,20 @@ def load_model(
     return loaded
 
 
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+"""Tokens that end a turn in the families turnrl knows: ChatML's (Qwen) and Llama 3.1's
+(which its checkpoints list as end-of-sequence ids besides the tokenizer's own)."""
+
+
 def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The token ids that end an assistant turn: end-of-sequence, ``<|im_end|>`` and
-    ``<|endoftext|>`` where the vocabulary has them, without duplicates, in that order."""
+    """The token ids that end an assistant turn: end-of-sequence, then those of
+    ``_END_TOKENS`` the vocabulary has, without duplicates, in that order."""
     ids: list[int] = []
     eos = tokenizer.eos_token_id
     if isinstance(eos, int):
         ids.append(eos)
     vocab = tokenizer.get_vocab()
-    for token in ("<|im_end|>", "<|endoftext|>"):
+    for token in _END_TOKENS:
         token_id = vocab.get(token)
         if isinstance(token_id, int) and token_id not in ids:
             ids.append(token_id)

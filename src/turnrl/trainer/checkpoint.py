@@ -1,8 +1,9 @@
 """Resumable checkpoints, written atomically (DESIGN.md invariant 7).
 
 The policy RL starts from is kept in ``start_model`` (the KL reference, loaded again on
-resume). A checkpoint is a directory ``checkpoints/step_NNNNNN`` holding the model and tokenizer
-(``save_pretrained``, loadable by the Auto classes), the optimizer state and the trainer
+resume; with LoRA, the base the adapters sit on). A checkpoint is a directory
+``checkpoints/step_NNNNNN`` holding the model and tokenizer (``save_pretrained``, loadable
+by the Auto classes; with LoRA only the adapters, in peft's layout), the optimizer state and the trainer
 state (step, policy version). It is written under a temporary name and renamed into place,
 and ``checkpoints/latest`` is replaced atomically after it, so a run killed at any moment
 leaves the previous checkpoint intact. Sampling seeds derive from (seed, step, task,
@@ -19,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from turnrl.errors import ConfigError
+from turnrl.models.lora import save_model
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ def save_checkpoint(
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-step_{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model")
+    save_model(model, tmp / "model")  # only the adapters of a LoRA model
     tokenizer.save_pretrained(tmp / "model")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if extra is not None:
@@ -97,3 +101,41 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def export_model(source: Path, out: Path, step: int | None = None) -> Path:
+    """Write the policy of ``source`` to ``out`` as one plain ``save_pretrained`` model (the
+    tokenizer beside it), loadable by ``AutoModelForCausalLM`` and by vLLM with no turnrl.
+
+    ``source``: a run directory (its latest checkpoint, or checkpoint ``step``) or a
+    checkpoint directory. LoRA adapters are merged into their base. Returns the
+    checkpoint's model directory that was exported. Refuses a non-empty ``out``."""
+    from turnrl.models.loading import load_model, load_tokenizer
+
+    source = Path(source)
+    if step is not None:
+        checkpoint: Path | None = source / "checkpoints" / f"step_{step:06d}"
+    elif (source / "model").is_dir():
+        checkpoint = source
+    else:
+        checkpoint = latest_checkpoint(source)
+    if checkpoint is None or not (checkpoint / "model").is_dir():
+        where = checkpoint if checkpoint is not None else source / "checkpoints" / "latest"
+        raise ConfigError(
+            f"nothing to export at {where}: give a run directory with checkpoints "
+            "(checkpoints/latest), --step N of one of its checkpoints, or a checkpoint "
+            "directory (one holding model/)"
+        )
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; choose another output directory")
+    model = load_model(checkpoint / "model")
+    tokenizer = load_tokenizer(checkpoint / "model")
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return checkpoint / "model"

@@ -39,6 +39,35 @@ DEFAULT_RECIPE = "quickstart"
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (peft): train only them, keep the base frozen (``model.lora``).
+
+    The KL reference is the base with its adapters switched off (no second model copy);
+    checkpoints hold only the adapters; the sampler gets the merged weights;
+    ``turnrl export`` writes a merged model."""
+
+    rank: int = 0
+    """Adapter rank r; 0 trains the whole model (no LoRA)."""
+    alpha: float = 32.0
+    """Scale numerator: the update is ``alpha / rank * B @ A``."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names to adapt (e.g. ``["q_proj", "v_proj"]``), or ``["all-linear"]``: every
+    linear layer but the output head."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.rank >= 0, "model.lora.rank must be >= 0"),
+                (self.alpha > 0, "model.lora.alpha must be > 0"),
+                (0.0 <= self.dropout < 1.0, "model.lora.dropout must be in [0, 1)"),
+                (bool(self.target_modules), "model.lora.target_modules must not be empty"),
+            ]
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model to train."""
 
@@ -60,6 +89,8 @@ class ModelConfig:
     echo_novel: float = 0.0
     """Tiny model: share of the echo chats on made-up words, so it can copy names it has
     never seen (a world of fresh names, as in ``search_qa``); 0 copies known words only."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (``rank > 0``) instead of full fine-tuning."""
 
 
 @dataclass(frozen=True)
@@ -750,6 +781,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{path}: {value!r} does not fit {tp}")
+    if origin is tuple:  # tuple[str, ...]: a list of names
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path} must be a list of strings, got {value!r}")
+        return tuple(value)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a table, got {value!r}")

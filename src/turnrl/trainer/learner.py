@@ -8,6 +8,7 @@ logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -35,6 +36,7 @@ from turnrl.algorithms import (
     turn_level_gae_advantages,
 )
 from turnrl.errors import ConfigError
+from turnrl.models.lora import adapters_off, is_lora, trainable_parameters
 from turnrl.rollout.batch import Batch, pack, per_token
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.trainer.critic import Critic
@@ -79,11 +81,14 @@ class Learner:
         self.max_length = max_length
         self.kl_estimator = KL_ESTIMATORS[config.kl.estimator]
         self.ref_model: Any = None
-        if config.kl.coef > 0:
+        # With LoRA the reference is the base: this model with its adapters switched off.
+        self.ref_is_base = config.kl.coef > 0 and reference is None and is_lora(model)
+        if config.kl.coef > 0 and not self.ref_is_base:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = ref.eval().requires_grad_(False)
+        self.params = trainable_parameters(model)  # all, or (LoRA) only the adapters
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            self.params, lr=config.lr, weight_decay=config.weight_decay
         )
         self.critic = Critic(model, config) if config.advantage == "gae" else None
         self.token_budget = config.micro_batch.tokens or auto_token_budget(model)
@@ -166,15 +171,31 @@ class Learner:
         """The configured KL estimate of each sampled token to the reference policy, one
         list per sample (0 where nothing was sampled). On-policy, the sampler's log-probs
         stand for the policy's, so only the reference runs."""
-        if self.ref_model is None:
+        if not self.has_reference:
             raise ConfigError("a KL in the reward needs algorithm.kl.coef > 0")
         out: list[list[float]] = [[] for _ in samples]
-        for part, mb, ref in self._scored(self.ref_model, samples, pad_id):
-            kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
-            kl = torch.where(mb.loss_mask, kl, 0.0)
-            for row, i in enumerate(part):
-                out[i] = kl[row, : len(samples[i].input_ids)].tolist()
+        with self.reference() as reference:
+            for part, mb, ref in self._scored(reference, samples, pad_id):
+                kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
+                kl = torch.where(mb.loss_mask, kl, 0.0)
+                for row, i in enumerate(part):
+                    out[i] = kl[row, : len(samples[i].input_ids)].tolist()
         return out
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether a KL reference policy exists (``kl.coef > 0``)."""
+        return self.ref_model is not None or self.ref_is_base
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[Any]:
+        """The reference policy to score with: the frozen copy, or (LoRA) this model with
+        its adapters switched off for the duration of the block."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with adapters_off(self.model) as base:
+                yield base
 
     def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:
         """The largest |sampler log-prob - this policy's log-prob| over the sampled tokens
@@ -302,6 +323,14 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(("loss", "kl", "entropy", "clipped", "abs_gap", "max_gap"), 0.0)
         for i, mb in enumerate(micro):
+            ref = None
+            if self.has_reference and cfg.kl.placement == "loss":
+                # Before the policy's forward: a LoRA reference toggles the adapters.
+                with torch.no_grad(), self.reference() as reference:
+                    ref, _ = token_logprobs(
+                        reference, mb.input_ids, mb.attention_mask, mb.loss_mask,
+                        self.temperature, layout=cfg.micro_batch.layout,
+                    )  # fmt: skip
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
                 entropy_grad=cfg.entropy_coef > 0, layout=cfg.micro_batch.layout,
@@ -313,12 +342,7 @@ class Learner:
             totals["loss"] += float(loss.detach())
             if cfg.entropy_coef > 0:
                 loss = loss - cfg.entropy_coef * self._reduce(entropy, mb.loss_mask, norms)
-            if self.ref_model is not None and cfg.kl.placement == "loss":
-                with torch.no_grad():
-                    ref, _ = token_logprobs(
-                        self.ref_model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                        self.temperature, layout=cfg.micro_batch.layout,
-                    )  # fmt: skip
+            if ref is not None:
                 kl = self._reduce(
                     self.kl_estimator(logprobs, ref, mb.loss_mask), mb.loss_mask, norms
                 )
@@ -335,7 +359,7 @@ class Learner:
                 for name, value in off_policy.items():
                     key = f"off_policy/{name}"
                     totals[key] = totals.get(key, 0.0) + float(value) * float(share)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.optimizer.step()
         return totals, float(grad_norm)
 

@@ -26,6 +26,7 @@ from turnrl.envs import EnvSpec, make_env_spec
 from turnrl.errors import BackendError, ConfigError
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
 from turnrl.models.loading import stop_token_ids
+from turnrl.models.lora import ADAPTER_CONFIG, add_lora, is_lora, load_adapters, merged_state_dict
 from turnrl.protocols import Backend
 from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer
@@ -158,9 +159,12 @@ def _start(
     """The model (built, or loaded from ``checkpoint``), warmed up on a fresh run; the
     learner with its reference policy; the engine. Returns the trainer, the tokenizer and
     the step-0 row so far (the warm-up's numbers)."""
-    model_path = (
-        checkpoint / "model" if checkpoint else _base_model(config, spec, run_dir, progress)
-    )
+    lora = config.model.lora.rank > 0
+    if checkpoint is None:
+        model_path = _base_model(config, spec, run_dir, progress)
+    else:  # a LoRA checkpoint holds only the adapters: the base is the run's start_model
+        _check_kind(checkpoint, lora)
+        model_path = run_dir / "start_model" if lora else checkpoint / "model"
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path)
     r = config.rollout
@@ -175,7 +179,11 @@ def _start(
     reference = None
     if checkpoint is None:
         save_start_policy(run_dir, model, tokenizer)
-    elif config.algorithm.kl.coef > 0:
+        if lora:  # the sampler loads the base the adapters sit on
+            model_path = run_dir / "start_model"
+    if lora:
+        model = _with_lora(config, model, run_dir, checkpoint)
+    elif checkpoint is not None and config.algorithm.kl.coef > 0:
         if not (run_dir / "start_model" / "config.json").is_file():
             raise ConfigError(
                 f"cannot resume {run_dir} with a KL term: its start_model (the reference "
@@ -194,6 +202,33 @@ def _start(
     )
 
 
+def _check_kind(checkpoint: Path, lora: bool) -> None:
+    """Refuse to resume LoRA adapters as a whole model, or the other way round."""
+    adapters = (checkpoint / "model" / ADAPTER_CONFIG).is_file()
+    if adapters and not lora:
+        raise ConfigError(
+            f"{checkpoint} holds LoRA adapters: resume it with the model.lora settings it "
+            "was trained with (model.lora.rank > 0)"
+        )
+    if lora and not adapters:
+        raise ConfigError(
+            f"{checkpoint} holds a whole model, not LoRA adapters: resume it with "
+            "model.lora.rank = 0 (the setting it was trained with)"
+        )
+
+
+def _with_lora(config: Config, model: Any, run_dir: Path, checkpoint: Path | None) -> Any:
+    """``model`` (the run's start policy) with the run's LoRA adapters: fresh ones, or
+    those of ``checkpoint``."""
+    if checkpoint is not None:
+        return load_adapters(model, checkpoint / "model")
+    lo = config.model.lora
+    return add_lora(
+        model, rank=lo.rank, alpha=lo.alpha, target_modules=lo.target_modules,
+        dropout=lo.dropout, base_path=(run_dir / "start_model").resolve(),
+    )  # fmt: skip
+
+
 def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Backend:
     """The sampling engine ``rollout.backend`` names, holding ``model``'s current weights."""
     if config.rollout.backend == "torch":
@@ -204,6 +239,7 @@ def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Ba
     engine = VLLMBackend(
         model_path, tokenizer, seed=config.seed,
         max_model_len=r.max_context_tokens + r.max_tokens_per_turn,
+        weights_of=merged_state_dict if is_lora(model) else None,
     )  # fmt: skip
     engine.load_weights(model)  # the warmed-up (or resumed) weights, not the directory's
     return engine

@@ -87,6 +87,7 @@ def supervised_warmup(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+    optimizer.zero_grad(set_to_none=True)  # no stale gradients for what trains next
     return losses
 
 
