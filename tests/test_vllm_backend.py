@@ -28,7 +28,7 @@ from turnrl.rollout.chat import ChatRenderer  # noqa: E402
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams  # noqa: E402
 from turnrl.rollout.groups import GroupSpec, collect_groups  # noqa: E402
 from turnrl.trainer.forward import token_logprobs  # noqa: E402
-from turnrl.types import GenerationRequest, Trajectory  # noqa: E402
+from turnrl.types import Completion, GenerationRequest, Trajectory  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TEMPERATURE = 0.8
@@ -160,6 +160,49 @@ def test_multi_turn_tool_episodes_are_token_exact(
         assert tuple(context) == trajectory.samples()[0].input_ids
         said = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
         assert len(said) == len(trajectory.turns)
+
+
+def test_a_request_joins_the_running_engine_when_it_is_ready(
+    engine: VLLMBackend, vllm_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Continuous batching: a request submitted while another is still decoding is added
+    to the running engine at once (it does not wait for a batch to drain), and what it
+    samples is what it samples alone (per-request seeds)."""
+    tokenizer = load_tokenizer(vllm_model_dir)
+    engine.sync(load_model(vllm_model_dir).eval())
+    core = engine.llm.llm_engine
+    running_at_add: dict[str, int] = {}
+    add = core.add_request
+
+    def counting_add(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        running_at_add[request_id] = core.get_num_unfinished_requests()
+        return add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(core, "add_request", counting_add)
+
+    def request(text: str, tokens: int, seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids=tuple(tokenizer.encode(text)), max_new_tokens=tokens,
+            temperature=TEMPERATURE, top_p=1.0, seed=seed, stop_token_ids=(),
+        )  # fmt: skip
+
+    short, long, follow = request("hello", 3, 1), request("the tool", 48, 2), request("next", 8, 3)
+
+    async def program() -> list[Completion]:
+        first, second = engine.submit([short, long]) or []
+        done_short = await first
+        (third,) = engine.submit([follow]) or []  # while `long` is still decoding
+        return [done_short, await second, await third]
+
+    results = engine.run(program())
+    assert len(running_at_add) == 3
+    assert list(running_at_add.values())[2] == 1  # `long` was running when `follow` came
+    assert [len(c.token_ids) for c in results] == [3, 48, 8]
+    alone = engine.generate_sync([short, long, follow])
+    assert [c.token_ids for c in results] == [c.token_ids for c in alone]
+    for ours, theirs in zip(results, alone, strict=True):
+        assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs, strict=True)) < 1e-5
+    assert engine.submit([follow]) is None  # outside run: callers use generate
 
 
 def test_trajectories_have_the_torch_backend_s_structure(

@@ -4,7 +4,10 @@ The ``Backend`` of real runs (issue 19); ``TorchBackend`` stays the reference an
 default. Text never round-trips: each request's context goes in as token ids
 (``prompt_token_ids``) and the completion comes back as the ids vLLM sampled, so a
 trajectory holds exactly what the engine saw. Continuations of an episode share their
-history with earlier turns through vLLM's prefix caching.
+history with earlier turns through vLLM's prefix caching. Inside ``run`` requests go to
+the running engine as episodes reach them (``submit``: continuous batching, one engine step
+at a time on the event loop's thread), so an episode at turn 3 does not wait for another
+at turn 1.
 
 Log-probs: vLLM is asked for ``processed_logprobs``, the log-probs of the distribution
 each token was drawn from after temperature (and after top-p/top-k truncation, which
@@ -24,6 +27,8 @@ needs a head size of at least 32.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -109,6 +114,12 @@ class VLLMBackend:
         self.pad_id: int = int(pad if pad is not None else tokenizer.eos_token_id)
         self.syncs = 0
         self.weights_of = weights_of or _state_dict
+        self.submissions = 0
+        self._ids = itertools.count()
+        self._running: (
+            dict[str, tuple[asyncio.Future[Completion], GenerationRequest, Any]] | None
+        ) = None
+        self._wake = asyncio.Event()
 
     def _params(self, request: GenerationRequest) -> Any:
         return self._vllm.SamplingParams(
@@ -150,16 +161,109 @@ class VLLMBackend:
         )
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        return self.generate_sync(requests)
+        """Inside ``run``: through the running engine (``submit``); else one engine call."""
+        futures = self.submit(requests)
+        if futures is None:
+            return self.generate_sync(requests)
+        return list(await asyncio.gather(*futures))
 
     def submit(
         self, requests: Sequence[GenerationRequest], quiet: Callable[[], bool] | None = None
     ) -> list[asyncio.Future[Completion]] | None:
-        """No running batch here yet: callers batch requests and use ``generate``."""
-        return None
+        """Add ``requests`` to the running engine and return one future each, settled as
+        soon as that request is done: episodes at different turns share engine steps, and a
+        follow-up turn joins the batch at the next step (continuous batching). None
+        outside ``run`` (then use ``generate``). Call from the event loop ``run`` drives.
+
+        ``quiet``: the caller's "nothing left to submit" check. When one of these requests
+        ends, the engine waits until ``quiet()`` has held for ``LOCKSTEP_TURNS`` turns of
+        the event loop with nothing new submitted, so follow-ups join at the same engine
+        step on every run (as ``TorchBackend``)."""
+        if self._running is None:
+            return None
+        loop = asyncio.get_running_loop()
+        engine = self.llm.llm_engine
+        futures: list[asyncio.Future[Completion]] = []
+        for request in requests:
+            params = self._params(request)
+            params.output_kind = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+            request_id = f"turnrl-{next(self._ids)}"
+            engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            future: asyncio.Future[Completion] = loop.create_future()
+            self._running[request_id] = (future, request, quiet)
+            futures.append(future)
+        self.submissions += 1
+        self._wake.set()
+        return futures
 
     def run(self, program: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run(program)
+        """Run the asyncio ``program`` while a driver task steps the engine for every
+        request it submits (``submit``); engine steps and episodes share this thread."""
+        return asyncio.run(self._serving(program))
+
+    async def _serving(self, program: Coroutine[Any, Any, T]) -> T:
+        if self._running is not None:
+            raise RuntimeError("VLLMBackend.run is already running")
+        self._running, self._wake = {}, asyncio.Event()
+        driver = asyncio.create_task(self._drive(), name="turnrl-vllm-engine")
+        try:
+            return await program
+        finally:
+            driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
+            left, self._running = list(self._running), None
+            if left:  # requests nobody waits for any more: free their engine slots
+                self.llm.llm_engine.abort_request(left)
+
+    async def _drive(self) -> None:
+        """Step the engine while it holds requests; settle each future when its request
+        finishes, then hold the next step until the episodes have reacted (lockstep)."""
+        engine = self.llm.llm_engine
+        running = self._running
+        assert running is not None
+        while True:
+            if not engine.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # every waiting episode records the failure
+                for future, _, _ in running.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                running.clear()
+                raise
+            checks = []
+            for output in outputs:
+                if not output.finished or output.request_id not in running:
+                    continue
+                future, request, quiet = running.pop(output.request_id)
+                if future.done():
+                    continue
+                try:
+                    future.set_result(self._completion(request, output.outputs[0]))
+                except BackendError as exc:
+                    future.set_exception(exc)
+                if quiet is not None:
+                    checks.append(quiet)
+            if checks:
+                await self._lockstep(checks)
+            else:
+                await asyncio.sleep(0)
+
+    async def _lockstep(self, checks: list[Callable[[], bool]]) -> None:
+        """Until every ``check`` holds and nothing was submitted for ``LOCKSTEP_TURNS``
+        turns of the event loop: the episodes that got completions ran their tools and
+        asked for their next turns (or went quiet)."""
+        idle, seen = 0, self.submissions
+        while idle < LOCKSTEP_TURNS:
+            await asyncio.sleep(0)
+            if self.submissions != seen or not all(check() for check in checks):
+                idle, seen = 0, self.submissions
+            else:
+                idle += 1
 
     def load_weights(self, model: Any) -> None:
         """Put ``model``'s current weights into the engine in place (no disk round trip)
@@ -184,6 +288,10 @@ def _state_dict(model: Any) -> Mapping[str, Any]:
     state: Mapping[str, Any] = model.state_dict()
     return state
 
+
+LOCKSTEP_TURNS = 64
+"""Event-loop turns with nothing new submitted after which the episodes are taken to have
+reacted to the completions they received (as ``TorchBackend``'s)."""
 
 MIN_CPU_HEAD_SIZE = 32
 """vLLM's CPU attention refuses smaller heads ("Unsupported CPU attention configuration")."""
