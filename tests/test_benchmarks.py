@@ -188,13 +188,16 @@ CHECKS: dict[str, Check] = {
     "vs_trl": vs_trl,
 }
 RUN_BY = {"vs_trl_trl_side": "vs_trl"}
+OWN_TEST = {"backends"}
+"""Scripts that need vLLM: smoke-tested in .venv-vllm by their own file
+(tests/test_benchmark_backends.py)."""
 """Scripts another one runs (TRL's side, in TRL's virtualenv), checked by its smoke test."""
 TIMEOUT_S = {"vs_trl": 600}
 """vs_trl makes TRL's virtualenv on first use (about a minute); the others take seconds."""
 
 
 def test_every_benchmark_script_has_a_smoke_test() -> None:
-    assert scripts() == sorted([*CHECKS, *RUN_BY])
+    assert scripts() == sorted([*CHECKS, *RUN_BY, *OWN_TEST])
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

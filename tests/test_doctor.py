@@ -11,7 +11,8 @@ from turnrl.cli import main
 def test_doctor_reports_facts_and_passes_its_self_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    for expected in ("python", "torch", "cpu cores", "sandbox", "extra mcp", "self-check:"):
+    for expected in ("python", "torch", "cpu cores", "sandbox", "extra mcp", "extra lora",
+                     "precision", "bf16-mixed", "attention", "checkpointing", "self-check:"):  # fmt: skip
         assert expected in out
     assert "ok   rl run: 2 learner steps, checkpoint written" in out
     assert "ok   sandbox call" in out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import tempfile
@@ -22,10 +23,11 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "bm25s",
             "tensorboardX")  # fmt: skip
-EXTRAS = {"vllm": "vllm", "ray": "ray", "wandb": "wandb", "mcp": "mcp"}
+EXTRAS = {"vllm": "vllm", "lora": "peft", "ray": "ray", "wandb": "wandb", "mcp": "mcp"}
 SELF_CHECK_RUN = [  # two RL steps on the probe with the smallest model: seconds on a CPU
     "steps=2", "save_every=2", "max_minutes=0", "model.hidden_size=32", "model.num_layers=1",
     "model.num_heads=2", "model.vocab_size=512", "model.echo_steps=0",
@@ -54,8 +56,11 @@ def facts() -> list[str]:
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         lines.append(f"cuda          {torch.version.cuda}: {', '.join(names)}")
+        free, total = torch.cuda.mem_get_info(0)
+        lines.append(f"gpu memory    {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
     else:
-        lines.append("cuda          none (CPU training; float32)")
+        lines.append("cuda          none (CPU training; model.device auto = cpu)")
+    lines.extend(_learner_lines(torch))
     lines.append(f"sandbox       {_sandbox_line()}")
     for extra, module in EXTRAS.items():
         try:
@@ -65,6 +70,29 @@ def facts() -> list[str]:
             state = "no" if isinstance(exc, ImportError) else f"broken ({type(exc).__name__})"
         lines.append(f"extra {extra:<7} {state}")
     return lines
+
+
+def _learner_lines(torch: Any) -> list[str]:
+    """The learner's GPU-path options (``model.precision``, ``model.attention``,
+    ``model.gradient_checkpointing``) and whether this machine can use them."""
+    on_gpu = torch.cuda.is_available()
+    bf16 = torch.cuda.is_bf16_supported() if on_gpu else True  # CPU autocast takes bf16
+    where = "CUDA" if on_gpu else "CPU autocast, slow"
+    flash = importlib.util.find_spec("flash_attn") is not None
+    sdpa = hasattr(torch.nn.functional, "scaled_dot_product_attention")
+    attention = [
+        "eager",
+        *(["sdpa"] if sdpa else []),
+        *(["flash_attention_2"] if flash and on_gpu else []),
+    ]
+    return [
+        "precision     float32 (default; master weights float32); "
+        + (f"bf16-mixed available ({where}; master weights stay float32)" if bf16
+           else "bf16-mixed NOT supported by this GPU"),
+        f"attention     {', '.join(attention)} (auto = transformers' default)"
+        + ("" if flash else "; flash_attention_2 needs flash-attn and CUDA"),
+        "checkpointing gradient checkpointing available (non-reentrant)",
+    ]  # fmt: skip
 
 
 def _sandbox_line() -> str:

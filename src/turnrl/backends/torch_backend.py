@@ -58,8 +58,11 @@ class TorchBackend:
         max_batch_size: int = 256,
         reuse_history: bool = True,
         max_cached_tokens: int = 1 << 20,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        self.autocast = autocast
+        """Autocast the forward passes to this dtype (``model.precision = bf16-mixed``)."""
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.policy_version = 0
@@ -75,6 +78,10 @@ class TorchBackend:
         """Set on the event loop when ``run``'s program has returned: a barrier asked for
         after that releases at once (``asyncio.run`` is then cancelling what is left, and a
         task started now would be destroyed pending when the loop closes)."""
+
+    def _autocast(self) -> Any:
+        device = next(self.model.parameters()).device
+        return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def _share(
         self, requests: Sequence[GenerationRequest], device: torch.device
@@ -153,7 +160,7 @@ class TorchBackend:
         self._jobs = jobs
         self.program_over = False
         helper = threading.Thread(target=drive, name="turnrl-episodes", daemon=True)
-        with self._lock, _eval_mode(self.model):
+        with self._lock, _eval_mode(self.model), self._autocast():
             helper.start()
             try:
                 self._serve(jobs)
@@ -308,7 +315,7 @@ class TorchBackend:
         """Sample every request on this thread; at most ``max_batch_size`` rows decode at
         once, and a waiting request takes the place of one that finished."""
         waiters = [_Collect() for _ in requests]
-        with self._lock, torch.inference_mode(), _eval_mode(self.model):
+        with self._lock, torch.inference_mode(), _eval_mode(self.model), self._autocast():
             batch = self._new_batch()
             waiting: deque[tuple[GenerationRequest, Waiter]] = deque(
                 zip(requests, waiters, strict=True)

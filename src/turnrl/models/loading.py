@@ -60,6 +60,7 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    attention: str = "auto",
 ) -> PreTrainedModel:
     """The causal LM of a model directory or hub id, in eval mode on ``device``. A
     directory of LoRA adapters (a LoRA run's checkpoint) loads as its base model with the
@@ -67,11 +68,12 @@ def load_model(
 
     ``dtype=None`` means float32 on CPU (half precision is slow there and its rounding
     would make CPU runs differ from the reference math) and the checkpoint's own dtype on
-    an accelerator.
+    an accelerator. ``attention``: transformers' ``attn_implementation`` (``auto`` leaves
+    transformers' default).
     """
     adapters = Path(str(name_or_path)).expanduser()
     if (adapters / ADAPTER_CONFIG).is_file():  # LoRA adapters: their base, merged
-        base = load_model(adapter_base(adapters), dtype=dtype, device=device)
+        base = load_model(adapter_base(adapters), dtype=dtype, device=device, attention=attention)
         with_adapters: PreTrainedModel = merged(base, adapters).eval()
         return with_adapters
     device = torch.device(device)
@@ -79,9 +81,10 @@ def load_model(
         chosen: torch.dtype | str = torch.float32 if device.type == "cpu" else "auto"
     else:
         chosen = dtype
-    model: Any = _load(
-        AutoModelForCausalLM.from_pretrained, name_or_path, "model", {"dtype": chosen}
-    )
+    options: dict[str, Any] = {"dtype": chosen}
+    if attention != "auto":
+        options["attn_implementation"] = attention
+    model: Any = _load(AutoModelForCausalLM.from_pretrained, name_or_path, "model", options)
     loaded: PreTrainedModel = model.to(device).eval()
     return loaded
 

@@ -8,6 +8,7 @@ estimator gives each turn its own (GiGPO). Trajectories with an infrastructure
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ class Batch:
     @property
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (itself where it already is)."""
+        if self.input_ids.device == device:
+            return self
+        return Batch(*(t.to(device) for t in dataclasses.astuple(self)))
 
     def select(self, index: slice) -> Batch:
         return Batch(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import sys
 import types
 import typing
@@ -91,6 +92,31 @@ class ModelConfig:
     never seen (a world of fresh names, as in ``search_qa``); 0 copies known words only."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters (``rank > 0``) instead of full fine-tuning."""
+    device: str = "auto"
+    """Where the learner and the torch sampler run: ``auto`` (the first CUDA device if
+    there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    precision: Literal["float32", "bf16-mixed"] = "float32"
+    """``float32`` throughout, or ``bf16-mixed``: master weights and optimizer state stay
+    float32, forward and backward run under bfloat16 autocast (the learner and the torch
+    sampler; log-probs and losses are computed in float32); a vLLM sampler runs bfloat16.
+    Sampler and learner then agree only to bf16 rounding: see
+    ``rollout.startup_tolerance``."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them:
+    less memory for longer sequences, about a third more compute."""
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """The attention kernel (transformers' ``attn_implementation``); ``auto`` is
+    transformers' default (``sdpa``). ``flash_attention_2`` needs CUDA and flash-attn."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (
+                    re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+                    f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+                ),
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -128,10 +154,13 @@ class RolloutConfig:
     model), or vLLM in this process (``pip install 'turnrl[vllm]'``; weights synced in
     place after every update). On a CPU, vLLM needs attention heads of at least 32 wide
     (``model.hidden_size / model.num_heads``)."""
-    startup_tolerance: float = 1e-3
+    startup_tolerance: float = 0.0
     """Before step 1, the sampler's log-probs of a probe batch are compared with the
     learner's: a larger gap (in nats, per token) stops the run, since training would
-    silently correct for engine drift. float32 engines agree to about 1e-6."""
+    silently correct for engine drift. 0 picks it from ``model.precision``: 1e-3 for
+    float32 (engines agree to about 1e-6), 0.1 for bf16-mixed (bf16 rounding: 2e-3
+    measured between the torch sampler and the learner on the tiny model on a CPU; an
+    engine holding bf16 weights differs more)."""
     max_error_frac: float = 0.0
     """Share of a step's episodes that may fail with an exception (raised by the
     environment, a tool factory, the verifier or the backend) before the run stops with the
@@ -149,7 +178,7 @@ class RolloutConfig:
                 (self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
                 (self.max_turns >= 1, "rollout.max_turns must be >= 1"),
                 (0.0 <= self.max_error_frac <= 1.0, "rollout.max_error_frac must be in [0, 1]"),
-                (self.startup_tolerance > 0.0, "rollout.startup_tolerance must be > 0"),
+                (self.startup_tolerance >= 0.0, "rollout.startup_tolerance must be >= 0"),
                 (self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
                 (0.0 < self.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
                 (self.temperature > 0.0, "rollout.temperature must be > 0 for training"),
@@ -603,9 +632,18 @@ class Config:
         return dataclasses.asdict(self)
 
 
+STARTUP_TOLERANCE = {"float32": 1e-3, "bf16-mixed": 0.1}
+"""``rollout.startup_tolerance`` when it is 0, by ``model.precision``."""
+
+
 def resolved(config: Config) -> Config:
     """``config`` with its ``auto`` choices made: ``algorithm.off_policy.correction`` is
-    ``token_tis`` under vLLM (another engine's numerics) and ``none`` otherwise."""
+    ``token_tis`` under vLLM (another engine's numerics) and ``none`` otherwise;
+    ``rollout.startup_tolerance`` 0 becomes ``STARTUP_TOLERANCE[model.precision]``."""
+    if config.rollout.startup_tolerance == 0.0:
+        tolerance = STARTUP_TOLERANCE[config.model.precision]
+        rollout = dataclasses.replace(config.rollout, startup_tolerance=tolerance)
+        config = dataclasses.replace(config, rollout=rollout)
     off = config.algorithm.off_policy
     if off.correction != "auto":
         return config

@@ -34,7 +34,9 @@ def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     """
     rows = input_ids.shape[0]
     shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
-    if shared < MIN_SHARED_PREFIX:
+    # Gradient checkpointing in training turns the prefix's cache off: run rows whole.
+    recomputing = model.training and getattr(model.base_model, "gradient_checkpointing", False)
+    if shared < MIN_SHARED_PREFIX or recomputing:
         return model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state

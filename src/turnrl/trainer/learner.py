@@ -72,10 +72,15 @@ class Learner:
         temperature: float,
         reference: Any = None,
         max_length: int = 0,
+        autocast: torch.dtype | None = None,
     ) -> None:
         if config.loss_reduction == "seq_mean_token_sum_norm" and max_length <= 0:
             raise ConfigError("loss_reduction seq_mean_token_sum_norm needs max_length > 0")
         self.model = model
+        self.device = next(model.parameters()).device  # batches are moved here
+        self.autocast = autocast
+        """Forward and backward under autocast to this dtype (bf16-mixed); the weights,
+        gradients and optimizer state keep the model's dtype (float32 master weights)."""
         self.config = config
         self.temperature = temperature
         self.max_length = max_length
@@ -149,7 +154,7 @@ class Learner:
         value(s) from ``per_sample``."""
         parts = self._parts([len(s.input_ids) for s in samples])
         return [
-            pack([samples[i] for i in part], [per_sample[i] for i in part], pad_id)
+            pack([samples[i] for i in part], [per_sample[i] for i in part], pad_id).to(self.device)
             for part in parts
         ]
 
@@ -159,8 +164,8 @@ class Learner:
         """Micro-batches of ``samples`` (their indices, the packed batch) with ``model``'s
         log-probs of their sampled tokens at the sampling temperature, without gradients."""
         for part in self._parts([len(s.input_ids) for s in samples]):
-            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id)
-            with torch.no_grad():
+            mb = pack([samples[i] for i in part], [0.0] * len(part), pad_id).to(self.device)
+            with torch.no_grad(), self.autocasting():
                 logprobs, _ = token_logprobs(
                     model, mb.input_ids, mb.attention_mask, mb.loss_mask,
                     self.temperature, layout=self.config.micro_batch.layout,
@@ -181,6 +186,12 @@ class Learner:
                 for row, i in enumerate(part):
                     out[i] = kl[row, : len(samples[i].input_ids)].tolist()
         return out
+
+    def autocasting(self) -> Any:
+        """Autocast to ``self.autocast`` (bf16-mixed) for the block; a no-op otherwise."""
+        return torch.autocast(
+            self.device.type, dtype=self.autocast, enabled=self.autocast is not None
+        )
 
     @property
     def has_reference(self) -> bool:
@@ -224,12 +235,16 @@ class Learner:
             raise ValueError("step_samples_gae takes one reward per token of each sample")
         cfg = self.config
         parts = self._parts([len(s.input_ids) for s in samples])
-        chunks = [pack([samples[i] for i in part], [0.0] * len(part), pad_id) for part in parts]
-        rewards = [
-            per_token([samples[i] for i in part], [token_rewards[i] for i in part])
+        chunks = [
+            pack([samples[i] for i in part], [0.0] * len(part), pad_id).to(self.device)
             for part in parts
         ]
-        values = [self.critic.values(mb) for mb in chunks]
+        rewards = [
+            per_token([samples[i] for i in part], [token_rewards[i] for i in part]).to(self.device)
+            for part in parts
+        ]
+        with self.autocasting():
+            values = [self.critic.values(mb) for mb in chunks]
         gae = [
             self.gae(r, v, mb.loss_mask) for r, v, mb in zip(rewards, values, chunks, strict=True)
         ]
@@ -246,7 +261,8 @@ class Learner:
             sum(float(v[mb.loss_mask].sum()) for v, mb in zip(values, chunks, strict=True))
             / num_tokens
         )
-        metrics.update(self.critic.step(chunks, [g.returns for g in gae], values))
+        with self.autocasting():
+            metrics.update(self.critic.step(chunks, [g.returns for g in gae], values))
         return metrics
 
     def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
@@ -259,6 +275,7 @@ class Learner:
             ]
         else:
             micro = list(batch)
+        micro = [mb.to(self.device) for mb in micro]
         self.model.train()
         num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
         num_sequences = sum(mb.num_sequences for mb in micro)
@@ -268,7 +285,8 @@ class Learner:
         num_seqs = torch.stack([mb.loss_mask.any(-1).sum() for mb in micro]).sum().clamp(min=1)
         norms = (num_tokens, num_seqs.float())
         proximal: list[torch.Tensor] = []
-        passes = [self._pass(micro, norms, proximal) for _ in range(cfg.epochs)]
+        with self.autocasting():
+            passes = [self._pass(micro, norms, proximal) for _ in range(cfg.epochs)]
         totals, grad_norm = passes[0]
         clipped = sum(t["clipped"] for t, _ in passes) / len(passes)
         off_policy = {k: v for k, v in totals.items() if k.startswith("off_policy/")}

@@ -166,7 +166,10 @@ def _start(
         _check_kind(checkpoint, lora)
         model_path = run_dir / "start_model" if lora else checkpoint / "model"
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path)
+    m = config.model
+    device = _device(m.device)
+    # float32 master weights whatever the precision: bf16-mixed only autocasts the compute
+    model = load_model(model_path, dtype=torch.float32, device=device, attention=m.attention)
     r = config.rollout
     sampling = SamplingParams(r.temperature, r.top_p, stop_token_ids(tokenizer))
     limits = EpisodeLimits(
@@ -189,10 +192,14 @@ def _start(
                 f"cannot resume {run_dir} with a KL term: its start_model (the reference "
                 "policy) is missing"
             )
-        reference = load_model(run_dir / "start_model")
+        reference = load_model(
+            run_dir / "start_model", dtype=torch.float32, device=device, attention=m.attention
+        )
+    if m.gradient_checkpointing:
+        _checkpoint_activations(model)
     learner = Learner(
         model, config.algorithm, temperature=r.temperature, reference=reference,
-        max_length=r.max_episode_tokens,
+        max_length=r.max_episode_tokens, autocast=_autocast(config),
     )  # fmt: skip
     backend = _backend(config, model, tokenizer, model_path)
     return (
@@ -200,6 +207,33 @@ def _start(
         tokenizer,
         first,
     )
+
+
+def _device(name: str) -> torch.device:
+    """``model.device`` as a torch device (``auto``: CUDA where there is one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"model.device = {name!r} but torch sees no CUDA device (torch "
+            f"{torch.__version__}); use model.device = 'cpu' or a CUDA build of torch"
+        )
+    return torch.device(name)
+
+
+def _checkpoint_activations(model: Any) -> None:
+    """Gradient (activation) checkpointing, non-reentrant, by whichever name this
+    transformers has (``activation_checkpointing_enable`` from 5.24)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def _autocast(config: Config) -> torch.dtype | None:
+    """The dtype the learner's and the torch sampler's compute is autocast to, if any."""
+    return torch.bfloat16 if config.model.precision == "bf16-mixed" else None
 
 
 def _check_kind(checkpoint: Path, lora: bool) -> None:
@@ -231,8 +265,8 @@ def _with_lora(config: Config, model: Any, run_dir: Path, checkpoint: Path | Non
 
 def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Backend:
     """The sampling engine ``rollout.backend`` names, holding ``model``'s current weights."""
-    if config.rollout.backend == "torch":
-        return TorchBackend(model, tokenizer)  # the learner's own model: nothing to sync
+    if config.rollout.backend == "torch":  # the learner's own model: nothing to sync
+        return TorchBackend(model, tokenizer, autocast=_autocast(config))
     from turnrl.backends.vllm_backend import VLLMBackend
 
     r = config.rollout
@@ -240,6 +274,7 @@ def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Ba
         model_path, tokenizer, seed=config.seed,
         max_model_len=r.max_context_tokens + r.max_tokens_per_turn,
         weights_of=merged_state_dict if is_lora(model) else None,
+        dtype="bfloat16" if config.model.precision == "bf16-mixed" else "float32",
     )  # fmt: skip
     engine.load_weights(model)  # the warmed-up (or resumed) weights, not the directory's
     return engine

@@ -78,7 +78,7 @@ def supervised_warmup(
     model.train()
     for _ in tqdm(range(config.steps), desc="warm-up", disable=not progress, leave=False):
         chosen = rng.sample(samples, min(config.batch_size, len(samples)))
-        batch = pack(chosen, [0.0] * len(chosen), pad_id)
+        batch = pack(chosen, [0.0] * len(chosen), pad_id).to(next(model.parameters()).device)
         mask = batch.loss_mask
         logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, mask, 1.0)
         loss = -torch.where(mask, logprobs, 0.0).sum() / mask.sum().clamp(min=1)
