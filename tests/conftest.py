@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,42 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir: Path) -> Any:
     return load_tokenizer(tiny_model_dir)
+
+
+FAMILY_ARCHS = ("qwen2", "qwen3", "llama3", "mistral")
+"""One tiny model per chat-template family (``llama`` shares ``qwen2``'s template)."""
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``arch`` -> the directory of a tiny model of that family, random weights, built on
+    first use (under a second each; head size 32, as the vLLM path needs)."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            config = TinyModelConfig(
+                arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                intermediate_size=128, vocab_size=800,
+            )  # fmt: skip
+            out = tmp_path_factory.mktemp(arch) / "model"
+            built[arch] = Path(build_tiny_model(out, config, extra_corpus=SecretLookup().corpus()))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_tokenizer(family_model_dir: Callable[[str], Path]) -> Callable[[str], Any]:
+    """``arch`` -> the loaded tokenizer of that family's tiny model (shared: do not modify)."""
+    loaded: dict[str, Any] = {}
+
+    def get(arch: str) -> Any:
+        if arch not in loaded:
+            loaded[arch] = load_tokenizer(family_model_dir(arch))
+        return loaded[arch]
+
+    return get
 
 
 @pytest.fixture

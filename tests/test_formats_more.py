@@ -106,7 +106,9 @@ def test_satisfies_protocol_and_registry(
 
 
 def test_registry_lists_every_format_in_its_error() -> None:
-    with pytest.raises(ConfigError, match=r"known formats: hermes, search_r1, react, code$"):
+    with pytest.raises(
+        ConfigError, match=r"known formats: hermes, search_r1, react, code, llama3_json, mistral$"
+    ):
         get_format("xml")
 
 

@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init-model", help="build a tiny model and tokenizer locally")
     init.add_argument("out", type=Path)
-    init.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    init.add_argument(
+        "--arch", choices=["qwen2", "llama", "qwen3", "llama3", "mistral"], default="qwen2"
+    )
     init.add_argument("--hidden-size", type=int, default=128)
     init.add_argument("--num-layers", type=int, default=4)
     init.add_argument("--num-heads", type=int, default=4)

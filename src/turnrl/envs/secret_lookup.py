@@ -47,6 +47,9 @@ class SecretLookup:
     """False removes the lookup tool (a control: nothing can then beat chance)."""
     seed: int = 0
     """Seed of the task stream (tasks are a pure function of seed, split and index)."""
+    format: str = "hermes"
+    """The tool-call format (``turnrl.formats``): ``hermes`` for Qwen-style templates,
+    ``llama3_json`` or ``mistral`` for those families' models."""
 
     name = "secret_lookup"
 
@@ -60,6 +63,7 @@ class SecretLookup:
                 f"secret_lookup.num_values must be in 10..{len(VALUE_NAMES)} "
                 "(chance success must stay at or below 10%)"
             )
+        get_format(self.format)  # an unknown name fails here, naming the known ones
 
     @property
     def chance(self) -> float:
@@ -79,7 +83,7 @@ class SecretLookup:
         )
 
     def make_env(self) -> ToolEnv:
-        return ToolEnv(self._tools, get_format("hermes"), _verify, max_tool_calls=4)
+        return ToolEnv(self._tools, get_format(self.format), _verify, max_tool_calls=4)
 
     def _tools(self, task: Task) -> ToolSet:
         if not self.tools_enabled:
@@ -100,7 +104,9 @@ class SecretLookup:
 
     def oracle(self, task: Task) -> Policy:
         """Looks up the asked key, then answers with what the tool returned."""
-        call = get_format("hermes").render_call(ToolCall("lookup", {"key": task.metadata["key"]}))
+        call = get_format(self.format).render_call(
+            ToolCall("lookup", {"key": task.metadata["key"]})
+        )
 
         guess = VALUE_NAMES[0]  # without the tool nothing beats chance
 
@@ -125,7 +131,7 @@ class SecretLookup:
             tools=("lookup(key: str) -> the key's value",) if self.tools_enabled else (),
             tool_budget=4,
             turn_limit=None,
-            scaffold="hermes <tool_call> format; the question names the key",
+            scaffold=f"{self.format} tool-call format; the question names the key",
             evaluator="reward = exact match of the answer with the key's value",
             on_failure="an unknown key is an error result and the episode goes on; a wrong "
             "answer ends it with 0",
@@ -136,14 +142,14 @@ class SecretLookup:
         """Assistant turns that show the format only: a call with a random key, then a
         random answer. They teach grammar, never the solution (the warm-up's job)."""
         key = rng.choice(KEY_NAMES[: self.key_pool])
-        call = get_format("hermes").render_call(ToolCall("lookup", {"key": key}))
+        call = get_format(self.format).render_call(ToolCall("lookup", {"key": key}))
         return [call, rng.choice(VALUE_NAMES[: self.num_values])]
 
     def corpus(self) -> list[str]:
         """Text for a tiny tokenizer: every key and value, questions and calls."""
-        hermes = get_format("hermes")
+        calls = get_format(self.format)
         lines = [f"What is the value of {k}?" for k in KEY_NAMES]
-        lines += [hermes.render_call(ToolCall("lookup", {"key": k})) for k in KEY_NAMES]
+        lines += [calls.render_call(ToolCall("lookup", {"key": k})) for k in KEY_NAMES]
         lines += [" ".join(VALUE_NAMES), *VALUE_NAMES, *KEY_NAMES]
         return lines * 20
 

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from turnrl.errors import ConfigError
 from turnrl.formats.code import CodeFormat
 from turnrl.formats.hermes import HermesFormat
+from turnrl.formats.llama3 import Llama3JsonFormat
+from turnrl.formats.mistral import MistralFormat
 from turnrl.formats.react import ReActFormat
 from turnrl.formats.search_r1 import SearchR1Format
 from turnrl.protocols import Format
@@ -17,6 +19,8 @@ __all__ = [
     "FORMATS",
     "CodeFormat",
     "HermesFormat",
+    "Llama3JsonFormat",
+    "MistralFormat",
     "ReActFormat",
     "SearchR1Format",
     "error_observation",
@@ -28,8 +32,11 @@ FORMATS: dict[str, Callable[[], Format]] = {
     "search_r1": SearchR1Format,
     "react": ReActFormat,
     "code": CodeFormat,
+    "llama3_json": Llama3JsonFormat,
+    "mistral": MistralFormat,
 }
-"""Format constructors by the name configs use (the default, hermes, first)."""
+"""Format constructors by the name configs use (the default, hermes, first; then the
+call formats of the Llama-3 and Mistral families)."""
 
 
 def get_format(name: str) -> Format:

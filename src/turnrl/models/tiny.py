@@ -7,7 +7,12 @@ million parameters with random (seeded) weights. Everything is saved with
 ``save_pretrained`` and loaded back through the ordinary ``AutoTokenizer`` /
 ``AutoModelForCausalLM`` path (``turnrl.models.loading``), exactly as a real hub model is.
 
-What does not live here: loading (``loading.py``) and anything that trains the model.
+The same builder makes tiny models of other families (``TinyModelConfig.arch``): Qwen3,
+Llama-3 and Mistral, each with its own control tokens, chat template and tool-call format
+(``families.py``), so every family's token accounting can be tested without a hub.
+
+What does not live here: loading (``loading.py``), the other families' templates
+(``families.py``) and anything that trains the model.
 """
 
 from __future__ import annotations
@@ -18,26 +23,43 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import jinja2
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.utils import logging as hf_logging
 
 from turnrl.errors import ConfigError
+from turnrl.formats import get_format
+from turnrl.models.families import LLAMA3, MISTRAL, QWEN3, Family
 from turnrl.models.pretrain import pretrain_echo
+from turnrl.protocols import Format
+from turnrl.types import ToolCall
 
 CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -93,7 +115,26 @@ SPECIAL_TOKENS = (
 )
 """Tokens that are always a single id; the first is also the padding token."""
 
-_ARCHS = ("qwen2", "llama")
+QWEN2 = Family(
+    name="qwen2",
+    model_type="qwen2",
+    chat_template=CHAT_TEMPLATE,
+    special_tokens=SPECIAL_TOKENS,
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    tool_format="hermes",
+    tool_result="<tool_response>\n{}\n</tool_response>",
+)
+"""The original tiny model: ChatML (``CHAT_TEMPLATE``), hermes calls, Qwen2 weights."""
+
+LLAMA = replace(QWEN2, name="llama", model_type="llama")
+"""The ChatML tiny model on the Llama architecture (tokens and template as ``QWEN2``)."""
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2, LLAMA, QWEN3, LLAMA3, MISTRAL)}
+"""Every family a tiny model can be built in, by ``TinyModelConfig.arch``."""
+
+Arch = Literal["qwen2", "llama", "qwen3", "llama3", "mistral"]
+_ARCHS = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -101,8 +142,10 @@ class TinyModelConfig:
     """Shape of the tiny model. The defaults give about 1.2M parameters (a few seconds to
     build, fast enough to train on a laptop CPU)."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture: ``"qwen2"`` (Qwen2ForCausalLM, biased q/k/v) or ``"llama"``."""
+    arch: Arch = "qwen2"
+    """Family: ``"qwen2"`` (Qwen2ForCausalLM, biased q/k/v) or ``"llama"``, both with the
+    ChatML template and hermes calls; or ``"qwen3"``, ``"llama3"``, ``"mistral"``, each with
+    its family's tokens, template and call format (``families.py``)."""
     vocab_size: int = 2048
     """Target BPE vocabulary size, the 256 byte tokens and the special tokens included (an
     upper bound: training stops early when the corpus has no more repeated pairs; the model
@@ -153,9 +196,10 @@ class TinyModelConfig:
             raise ConfigError(
                 f"TinyModelConfig.echo_novel must be in [0, 1], got {self.echo_novel}"
             )
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+        least = 256 + len(FAMILIES[self.arch].special_tokens)
+        if self.vocab_size < least:
             raise ConfigError(
-                f"TinyModelConfig.vocab_size must be at least {256 + len(SPECIAL_TOKENS)} "
+                f"TinyModelConfig.vocab_size must be at least {least} "
                 f"(256 byte tokens plus the special tokens), got {self.vocab_size}"
             )
         if self.hidden_size % self.num_heads:
@@ -225,13 +269,13 @@ _TOOLS = (
 )
 
 
-def default_corpus() -> list[str]:
+def default_corpus(family: Family = QWEN2) -> list[str]:
     """A generated corpus for training the tiny tokenizer (deterministic, ~5k lines).
 
-    It covers English words and sentences, numbers and arithmetic, tool-call JSON, tool
-    schemas and whole conversations rendered by ``CHAT_TEMPLATE``, so that the pieces a
-    tool-using conversation is made of become single tokens. Domain text (an environment's
-    keys and values) is added by callers.
+    It covers English words and sentences, numbers and arithmetic, tool calls in the
+    family's format, tool schemas and whole conversations rendered by the family's chat
+    template, so that the pieces a tool-using conversation is made of become single tokens.
+    Domain text (an environment's keys and values) is added by callers.
     """
     rng = random.Random(0)
     lines: list[str] = [*_WORDS, *(w.capitalize() for w in _WORDS)]
@@ -243,10 +287,12 @@ def default_corpus() -> list[str]:
         result = a + b if op == "+" else a - b if op == "-" else a * b
         lines.append(f"{a} {op} {b} = {result}")
         lines.append(f"{rng.uniform(-100, 100):.2f}")
+    call_format = get_format(family.tool_format)
     for _ in range(800):
-        lines.append(_tool_call(rng))
-        lines.append(f"<tool_response>\n{rng.choice(_WORDS)}\n</tool_response>")
-    template = _corpus_template()
+        lines.append(_tool_call(rng, call_format))
+        lines.append(family.tool_result.format(rng.choice(_WORDS)))
+    template = _corpus_template(family.chat_template)
+    tokens = {"bos_token": family.bos_token or "", "eos_token": family.eos_token}
     for _ in range(400):
         tools = rng.sample([_tool_schema(*t) for t in _TOOLS], rng.randint(0, 2))
         messages: list[dict[str, str]] = []
@@ -254,10 +300,12 @@ def default_corpus() -> list[str]:
             messages.append({"role": "system", "content": _sentence(rng)})
         messages.append({"role": "user", "content": _sentence(rng)})
         for _ in range(rng.randint(0, 2)):
-            messages.append({"role": "assistant", "content": _tool_call(rng)})
+            messages.append({"role": "assistant", "content": _tool_call(rng, call_format)})
             messages.append({"role": "tool", "content": rng.choice(_WORDS)})
         messages.append({"role": "assistant", "content": _sentence(rng)})
-        lines.append(template.render(messages=messages, tools=tools or None))
+        lines.append(template.render(messages=messages, tools=tools or None, **tokens))
+    if "<think>" in family.all_tokens:  # reasoning blocks, for families that have them
+        lines += [f"<think>\n{_sentence(rng)}\n</think>\n\n" for _ in range(200)]
     return lines
 
 
@@ -266,10 +314,10 @@ def _sentence(rng: random.Random) -> str:
     return words.capitalize() + rng.choice((".", ".", ".", "?", "!"))
 
 
-def _tool_call(rng: random.Random) -> str:
+def _tool_call(rng: random.Random, call_format: Format) -> str:
     name, arg, _ = rng.choice(_TOOLS)
     value = rng.choice(_WORDS) if rng.random() < 0.7 else str(rng.randint(0, 999))
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': {arg: value}})}\n</tool_call>"
+    return str(call_format.render_call(ToolCall(name, {arg: value})))
 
 
 def _tool_schema(name: str, arg: str, description: str) -> dict[str, Any]:
@@ -287,23 +335,30 @@ def _tool_schema(name: str, arg: str, description: str) -> dict[str, Any]:
     }
 
 
-def _corpus_template() -> jinja2.Template:
-    """``CHAT_TEMPLATE`` compiled as transformers compiles it (``tojson`` without HTML
+def _corpus_template(chat_template: str) -> jinja2.Template:
+    """``chat_template`` compiled as transformers compiles it (``tojson`` without HTML
     escaping or key sorting), for rendering corpus conversations before a tokenizer exists."""
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = json.dumps
-    return env.from_string(CHAT_TEMPLATE)
+    return env.from_string(chat_template)
 
 
 def build_tokenizer(
-    corpus: Iterable[str], vocab_size: int = 2048, *, model_max_length: int = 1024
+    corpus: Iterable[str],
+    vocab_size: int = 2048,
+    *,
+    model_max_length: int = 1024,
+    family: Family = QWEN2,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``corpus`` and wrap it for transformers.
 
     Every byte is in the alphabet, so any text encodes (there is no unknown token) and
-    ``encode(decode(ids))`` round-trips (NFC-normalised) text. ``SPECIAL_TOKENS`` are single
-    special tokens; ``<|im_end|>`` is the end-of-sequence token and ``<|endoftext|>`` pads.
-    The result is a pure function of the corpus and the sizes.
+    ``encode(decode(ids))`` round-trips (NFC-normalised) text. The family's special tokens
+    are single special tokens (ids 0, 1, ...; by default ``SPECIAL_TOKENS``, with
+    ``<|im_end|>`` the end-of-sequence token and ``<|endoftext|>`` the pad) and its added
+    tokens single non-special ones (after the trained vocabulary); the tokenizer carries the
+    family's chat template. The result is a pure function of the corpus, the sizes and the
+    family.
 
     The pipeline (NFC, Qwen2's split regex, then ``ByteLevel(add_prefix_space=False)``) is
     exactly the one transformers' ``Qwen2Tokenizer`` rebuilds when it loads a tokenizer
@@ -322,19 +377,24 @@ def build_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(family.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_split_special(corpus), trainer=trainer)
+    backend.train_from_iterator(_split_special(corpus, family.all_tokens), trainer=trainer)
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in family.added_tokens]
+    )
     wrap: Any = PreTrainedTokenizerFast  # untyped constructor (kwargs only)
+    bos = {"bos_token": family.bos_token} if family.bos_token else {}
     tokenizer: PreTrainedTokenizerFast = wrap(
         tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        eos_token=family.eos_token,
+        pad_token=family.pad_token,
+        chat_template=family.chat_template,
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
+        **bos,
     )
     return tokenizer
 
@@ -346,14 +406,13 @@ _SPLIT_REGEX = (
 """Qwen2's pre-tokenizer regex: words with their leading space, single digits, punctuation
 runs, newlines (copied from transformers' ``tokenization_qwen2.PRETOKENIZE_REGEX``)."""
 
-_SPECIAL_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
-
-def _split_special(corpus: Iterable[str]) -> Iterator[str]:
-    """The corpus cut at special-token strings, as encoding cuts it. The trainer does not cut
-    there itself; merges across their pieces (``<|``, ``im``) would only waste vocabulary."""
+def _split_special(corpus: Iterable[str], tokens: Sequence[str]) -> Iterator[str]:
+    """The corpus cut at the strings of ``tokens``, as encoding cuts it. The trainer does not
+    cut there itself; merges across their pieces (``<|``, ``im``) would only waste vocabulary."""
+    split = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
     for text in corpus:
-        yield from (piece for piece in _SPECIAL_SPLIT.split(text) if piece)
+        yield from (piece for piece in split.split(text) if piece)
 
 
 def build_tiny_model(
@@ -379,12 +438,14 @@ def build_tiny_model(
             f"{out} already exists and is not empty; pass overwrite=True to replace it, "
             "or choose another directory"
         )
+    family = FAMILIES[config.arch]
     tokenizer = build_tokenizer(
-        [*default_corpus(), *extra_corpus],
+        [*default_corpus(family), *extra_corpus],
         config.vocab_size,
         model_max_length=config.max_position_embeddings,
+        family=family,
     )
-    model = _init_model(config, tokenizer)
+    model = _init_model(config, family, tokenizer)
     num_parameters = sum(p.numel() for p in model.parameters())
     echo_losses = (
         pretrain_echo(
@@ -421,11 +482,12 @@ def build_tiny_model(
     return out
 
 
-def _init_model(config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> Any:
-    """A float32 causal LM of ``config``'s shape over ``tokenizer``'s vocabulary."""
+def _init_model(config: TinyModelConfig, family: Family, tokenizer: PreTrainedTokenizerFast) -> Any:
+    """A float32 causal LM of ``config``'s shape, in ``family``'s architecture, over
+    ``tokenizer``'s vocabulary."""
     special: dict[str, Any] = {
         "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "bos_token_id": tokenizer.convert_tokens_to_ids(family.bos_token or family.pad_token),
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
@@ -438,11 +500,19 @@ def _init_model(config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast) -> 
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings,
     }
+    # Every head is hidden_size / num_heads wide (Qwen3's config would default to 128).
+    head_dim: dict[str, Any] = {"head_dim": config.hidden_size // config.num_heads}
     model: Any
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(config.seed)
-        if config.arch == "qwen2":
+        if family.model_type == "qwen2":
             model = Qwen2ForCausalLM(Qwen2Config(**shape, **special))
+        elif family.model_type == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(**shape, **special, **head_dim))
+        elif family.model_type == "mistral":  # full attention: the context is short anyway
+            model = MistralForCausalLM(
+                MistralConfig(**shape, **special, **head_dim, sliding_window=None)
+            )
         else:
             model = LlamaForCausalLM(LlamaConfig(**shape, **special))
     return model.to(torch.float32)

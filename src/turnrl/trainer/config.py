@@ -74,8 +74,10 @@ class ModelConfig:
 
     path: str = ""
     """A local directory or hub id; empty builds the tiny model into the run directory."""
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Tiny model architecture (used only when ``path`` is empty)."""
+    arch: Literal["qwen2", "llama", "qwen3", "llama3", "mistral"] = "qwen2"
+    """Tiny model architecture and chat family (used only when ``path`` is empty):
+    ``qwen2``/``llama`` with turnrl's ChatML template, or a family's own template and
+    control tokens (``qwen3``, ``llama3``, ``mistral``; ``turnrl.models.FAMILIES``)."""
     hidden_size: int = 128
     """Tiny model width."""
     num_layers: int = 4

@@ -23,13 +23,13 @@ from tqdm import tqdm
 
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import EnvSpec, make_env_spec
-from turnrl.errors import BackendError, ConfigError
+from turnrl.errors import BackendError, ConfigError, TemplateError
 from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
 from turnrl.models.loading import stop_token_ids
 from turnrl.models.lora import ADAPTER_CONFIG, add_lora, is_lora, load_adapters, merged_state_dict
 from turnrl.protocols import Backend
 from turnrl.rollout.batch import trainable
-from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.chat import ChatRenderer, template_report
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.rollout.failures import check_failures
 from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
@@ -105,6 +105,7 @@ def train(
         t, tokenizer, first = _start(config, spec, run_dir, checkpoint, progress)
         start = load_state(t, checkpoint) if checkpoint is not None else 0
         monitor = Monitor(config.monitor)
+        first.update(check_template(t, progress))
         first.update(check_sampler(t))
         if checkpoint is None:
             emit({**first, **evaluate(t)})
@@ -278,6 +279,31 @@ def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Ba
     )  # fmt: skip
     engine.load_weights(model)  # the warmed-up (or resumed) weights, not the directory's
     return engine
+
+
+def check_template(t: Trainer, progress: bool = False) -> Row:
+    """Before step 1: the chat template on a probe tool episode in the environment's call
+    format (``template_report``). A tool result that would become control tokens, or ids
+    that do not decode to the rendered text, stop the run; a template that rewrites
+    history only warns (each tool episode is then split into per-turn samples, counted as
+    ``rollout/template_breaks``)."""
+    env = t.spec.make_env()
+    call_format = getattr(env, "format", None)
+    if call_format is None:  # an environment without a tool-call format: nothing to probe
+        return {}
+    report = template_report(t.renderer, call_format, t.sampling.stop_token_ids)
+    if not (report.round_trip and report.observation_as_text):
+        raise TemplateError(
+            f"the model's chat template fails turnrl's start-up check with the "
+            f"{call_format.name!r} call format: " + " ".join(report.problems)
+        )
+    if not report.prefix:
+        _say("warning: " + " ".join(report.problems), progress)
+    return {
+        "startup/template_prefix": float(report.prefix),
+        "startup/template_round_trip": float(report.round_trip),
+        "startup/observation_as_text": float(report.observation_as_text),
+    }
 
 
 def check_sampler(t: Trainer) -> Row:
