@@ -274,3 +274,24 @@ def test_a_run_samples_with_vllm_and_syncs_it_after_every_update(tmp_path: Path)
         for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()
     }
     assert versions == {0, 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path) -> None:
+    """On a GPU: the probe in bf16-mixed with vLLM colocated in sleep mode (the engine's
+    memory freed while the learner steps). Prints peak memory and step time for the note."""
+    from conftest import SMALL_RUN
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    settings = ["rollout.backend=vllm", "model.precision=bf16-mixed", "model.num_heads=2",
+                "model.hidden_size=64", "steps=4"]  # fmt: skip
+    torch.cuda.reset_peak_memory_stats()
+    result = train(load_config(None, [*SMALL_RUN, *settings]), tmp_path / "run", progress=False)
+    assert result.rows[0]["startup/logprob_gap_max"] < 0.1
+    steps = [r["perf/step_s"] for r in result.rows if "perf/step_s" in r]
+    print(
+        f"peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; step {sum(steps) / len(steps):.2f} s"
+    )
+    assert len(steps) == 4

@@ -78,10 +78,12 @@ class VLLMBackend:
         seed: int = 0,
         max_model_len: int | None = None,
         weights_of: Callable[[Any], Mapping[str, Any]] | None = None,
+        sleep: bool | None = None,
         **engine_options: Any,
     ) -> None:
         """``weights_of(model)``: the weights to load, under the checkpoint's names (default
-        ``model.state_dict()``; a LoRA model passes its merged weights)."""
+        ``model.state_dict()``; a LoRA model passes its merged weights). ``sleep``: vLLM's
+        sleep mode between rollouts (default: on a GPU, where vLLM has it)."""
         vllm = import_vllm()
         import torch
 
@@ -105,6 +107,13 @@ class VLLMBackend:
             # use offset", vLLM 0.32): prefill whole prompts.
             options["enable_chunked_prefill"] = False
             options["max_num_batched_tokens"] = max(8192, max_model_len or 0)
+        self.sleeps = on_gpu if sleep is None else sleep
+        """Colocated with the learner: after each rollout the engine sleeps (level 1: weights
+        offloaded to host memory, KV cache freed), so the learner's step has the GPU's
+        memory; the next sync or rollout wakes it."""
+        if self.sleeps:
+            options["enable_sleep_mode"] = True
+        self.asleep = False
         options.update(engine_options)
         self._vllm = vllm
         self.llm = vllm.LLM(**options)
@@ -143,6 +152,7 @@ class VLLMBackend:
         """Sample every request in one engine call; completions in request order."""
         if not requests:
             return []
+        self.wake_up()
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
         outputs = self.llm.generate(prompts, [self._params(r) for r in requests], use_tqdm=False)
         return [self._completion(r, o.outputs[0]) for r, o in zip(requests, outputs, strict=True)]
@@ -207,6 +217,7 @@ class VLLMBackend:
     async def _serving(self, program: Coroutine[Any, Any, T]) -> T:
         if self._running is not None:
             raise RuntimeError("VLLMBackend.run is already running")
+        self.wake_up()
         self._running, self._wake = {}, asyncio.Event()
         driver = asyncio.create_task(self._drive(), name="turnrl-vllm-engine")
         try:
@@ -218,6 +229,7 @@ class VLLMBackend:
             left, self._running = list(self._running), None
             if left:  # requests nobody waits for any more: free their engine slots
                 self.llm.llm_engine.abort_request(left)
+            self.sleep()
 
     async def _drive(self) -> None:
         """Step the engine while it holds requests; settle each future when its request
@@ -271,18 +283,45 @@ class VLLMBackend:
     def load_weights(self, model: Any) -> None:
         """Put ``model``'s current weights into the engine in place (no disk round trip)
         and drop the prefix cache, whose keys and values the old weights computed."""
+        self.wake_up()
+        self._reload(model)
+        self._reset_prefix_cache()
+
+    def _reload(self, model: Any) -> None:
         weights = [(name, tensor.detach()) for name, tensor in self.weights_of(model).items()]
 
         def reload(worker: Any, weights: list[tuple[str, Any]] = weights) -> None:
             worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
         self.llm.collective_rpc(reload)
+
+    def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise BackendError("vLLM could not reset its prefix cache after a weight sync")
 
+    def sleep(self) -> None:
+        """With sleep mode: offload the weights to host memory and free the KV cache until
+        the engine is needed again (the learner steps in between)."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Reallocate what ``sleep`` released (``tags``: part of it, e.g. ``weights``)."""
+        if self.asleep:
+            self.llm.wake_up(tags=list(tags) if tags is not None else None)
+            self.asleep = tags is not None and "kv_cache" not in tags
+
     def sync(self, model: Any) -> None:
-        """After an update: ``load_weights`` and bump ``policy_version``."""
-        self.load_weights(model)
+        """After an update: ``load_weights`` and bump ``policy_version``. A sleeping engine
+        takes its weights back first and its KV cache only after the new weights are in."""
+        if self.asleep:
+            self.wake_up(["weights"])
+            self._reload(model)
+            self.wake_up()
+            self._reset_prefix_cache()
+        else:
+            self.load_weights(model)
         self.policy_version += 1
         self.syncs += 1
 
