@@ -292,3 +292,24 @@ def test_a_growing_layer_appends_in_place_and_grows_like_a_dynamic_one() -> None
         assert growing.get_seq_length() == plain.get_seq_length()
     assert growing._k is not buffer  # it grew once
     assert growing._k.shape[2] >= growing.get_seq_length()
+
+
+def test_every_turn_records_the_policy_version_that_sampled_it(model: Any, tokenizer: Any) -> None:
+    backend = TorchBackend(model, tokenizer)
+    spec = SecretLookup()
+    group = GroupSpec(
+        2, EpisodeLimits(max_tokens_per_turn=16),
+        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=1,
+    )  # fmt: skip
+
+    def versions() -> set[int]:
+        program = collect_groups(
+            [spec.task(0)], spec.make_env, backend, ChatRenderer(tokenizer), group
+        )
+        groups = asyncio.run(program)
+        return {turn.policy_version for g in groups for t in g for turn in t.turns}
+
+    assert versions() == {0}
+    backend.sync(model)
+    backend.sync(model)
+    assert versions() == {2}

@@ -99,6 +99,7 @@ def test_log_probs_are_the_learner_s_before_and_after_a_weight_sync(
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
     version = engine.policy_version
+    assert {turn.policy_version for t in trajectories for turn in t.turns} == {version}
     stale, _ = learner_gap(model, collect(engine, tokenizer))
     assert stale > 1e-3  # without a sync the engine still samples the old weights
     engine.sync(model)

@@ -113,6 +113,8 @@ class Completion:
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
     text: str = ""
+    policy_version: int | None = None
+    """The version of the weights that sampled it, where the backend knows it."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Turn:
     finish_reason: FinishReason
     text: str = ""
     new_sample: bool = False
+    policy_version: int = 0
+    """The policy version that sampled this turn (the backend's, else the episode's)."""
 
 
 @dataclass(frozen=True)

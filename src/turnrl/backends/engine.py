@@ -67,8 +67,10 @@ class DecodeBatch:
             [GenerationRequest, list[int], list[tuple[torch.Tensor, torch.Tensor]]], None
         ]
         | None,
+        version: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
+        self._version = version
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._prefill = prefill
@@ -263,6 +265,7 @@ class DecodeBatch:
             logprobs=tuple(row.logprobs),
             finish_reason=reason,
             text=self.tokenizer.decode(row.tokens, skip_special_tokens=False),
+            policy_version=self._version() if self._version is not None else None,
         )
 
     def _select(self, keep: list[int]) -> None:

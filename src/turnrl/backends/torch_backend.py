@@ -206,6 +206,7 @@ class TorchBackend:
             vocab_size=self.vocab_size,
             prefill=self._prefill_inputs,
             store=self._keep_history if self.prefix_cache is not None else None,
+            version=lambda: self.policy_version,
         )
 
     def _drive(

@@ -171,6 +171,7 @@ class VLLMBackend:
             logprobs=logprobs,
             finish_reason=reason,
             text=self.tokenizer.decode(list(ids), skip_special_tokens=False),
+            policy_version=self.policy_version,
         )
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:

@@ -151,6 +151,11 @@ async def _play(
                 finish_reason=completion.finish_reason,
                 text=text,
                 new_sample=new_sample,
+                policy_version=(
+                    completion.policy_version
+                    if completion.policy_version is not None
+                    else traj.policy_version
+                ),
             )
         )
         context.extend(ids)
