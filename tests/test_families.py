@@ -525,3 +525,25 @@ def test_a_template_that_fails_the_start_up_check_stops_the_run(
     monkeypatch.setattr(loop, "template_report", lambda *a, **k: prefix_only)
     result = loop.train(load_config(None, SMALL_RUN), tmp_path / "run2", progress=False)
     assert result.rows[0]["startup/template_prefix"] == 0.0  # warned, logged, not refused
+
+
+def test_every_registered_environment_passes_the_template_check(tokenizer: Any) -> None:
+    """The start-up probe calls each environment's own first tool in its own format (a
+    single-tool format such as search_r1 or code can call nothing else)."""
+    from types import SimpleNamespace
+
+    from turnrl.envs import make_env_spec, registry
+    from turnrl.models.loading import stop_token_ids
+    from turnrl.rollout.chat import ChatRenderer
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import check_template
+
+    config = load_config(None, [])
+    for name in registry.ENVIRONMENTS:  # search_qa's default format is search_r1
+        trainer: Any = SimpleNamespace(
+            spec=make_env_spec(name), renderer=ChatRenderer(tokenizer),
+            sampling=SimpleNamespace(stop_token_ids=stop_token_ids(tokenizer)), config=config,
+        )  # fmt: skip
+        row = check_template(trainer)
+        assert row["startup/template_round_trip"] == 1.0, name
+        assert row["startup/observation_as_text"] == 1.0, name

@@ -260,8 +260,10 @@ def template_report(
     else:
         renderer = renderer.with_tools(())
         system = f"{system}\n\n{call_format.system_prompt(tools)}"
-    name = str(tools[0].get("function", {}).get("name", "lookup"))
-    call = ToolCall(name, {"key": "alpha"})
+    function = tools[0].get("function", {})
+    name = str(function.get("name", "lookup"))
+    properties = list(function.get("parameters", {}).get("properties", {})) or ["key"]
+    call = ToolCall(name, {properties[0]: "alpha"})  # one string argument, as the probe's
     end_text = renderer.decode([stop])
     result = f"cat {end_text} dog"
     messages: list[Message] = [

@@ -9,6 +9,7 @@ Everything a run produces goes into its run directory (DESIGN.md "The main job")
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -291,7 +292,9 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     call_format = getattr(env, "format", None)
     if call_format is None:  # an environment without a tool-call format: nothing to probe
         return {}
-    report = template_report(t.renderer, call_format, t.sampling.stop_token_ids)
+    report = template_report(
+        t.renderer.with_tools(_tool_schemas(t, env)), call_format, t.sampling.stop_token_ids
+    )
     if not (report.round_trip and report.observation_as_text):
         raise TemplateError(
             f"the model's chat template fails turnrl's start-up check with the "
@@ -304,6 +307,24 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
         "startup/template_round_trip": float(report.round_trip),
         "startup/observation_as_text": float(report.observation_as_text),
     }
+
+
+def _tool_schemas(t: Trainer, env: Any) -> list[Any]:
+    """The tools ``env`` offers on the first test task (the probe calls the first one);
+    none where they cannot be read without an episode (the probe then uses its own)."""
+    if not hasattr(env, "tools"):
+        return []
+
+    async def tools_of() -> list[Any]:
+        try:
+            await env.reset(t.spec.task(0, split="test"), derive_seed(t.config.seed, "template"))
+            return list(env.tools.schemas())
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                await close()
+
+    return asyncio.run(tools_of())
 
 
 def check_sampler(t: Trainer) -> Row:
