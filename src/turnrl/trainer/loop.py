@@ -292,9 +292,10 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     call_format = getattr(env, "format", None)
     if call_format is None:  # an environment without a tool-call format: nothing to probe
         return {}
-    report = template_report(
-        t.renderer.with_tools(_tool_schemas(t, env)), call_format, t.sampling.stop_token_ids
-    )
+    tools = _tool_schemas(t, env)
+    if tools is None:  # the environment's tools failed to build: its episodes will say why
+        return {}
+    report = template_report(t.renderer.with_tools(tools), call_format, t.sampling.stop_token_ids)
     if not (report.round_trip and report.observation_as_text):
         raise TemplateError(
             f"the model's chat template fails turnrl's start-up check with the "
@@ -309,16 +310,20 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     }
 
 
-def _tool_schemas(t: Trainer, env: Any) -> list[Any]:
+def _tool_schemas(t: Trainer, env: Any) -> list[Any] | None:
     """The tools ``env`` offers on the first test task (the probe calls the first one);
-    none where they cannot be read without an episode (the probe then uses its own)."""
+    none where they cannot be read without an episode (the probe then uses its own); None
+    where building them fails: a bug in the environment is reported by its episodes, with
+    the user's traceback and the failure policy (``rollout.max_error_frac``)."""
     if not hasattr(env, "tools"):
         return []
 
-    async def tools_of() -> list[Any]:
+    async def tools_of() -> list[Any] | None:
         try:
             await env.reset(t.spec.task(0, split="test"), derive_seed(t.config.seed, "template"))
             return list(env.tools.schemas())
+        except Exception:
+            return None
         finally:
             close = getattr(env, "close", None)
             if close is not None:
