@@ -34,6 +34,7 @@ from transformers import DynamicCache
 
 from turnrl.backends.engine import DecodeBatch, Prefill, Waiter
 from turnrl.backends.hf_cache import returned_cache
+from turnrl.backends.lockstep import until_reacted
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
 from turnrl.types import Completion, GenerationRequest
 
@@ -386,11 +387,6 @@ class _Ack:
     """The event loop's answer to a lockstep barrier: decoding may go on."""
 
 
-LOCKSTEP_TURNS = 64
-"""Event-loop turns with nothing new submitted after which the episodes are taken to
-have reacted to the completions they received (as ``BatchingClient.patience``)."""
-
-
 def _start_barrier(
     checks: list[Callable[[], bool]], release: Callable[[], None], backend: TorchBackend
 ) -> None:
@@ -404,13 +400,7 @@ def _start_barrier(
 
     async def barrier() -> None:
         try:
-            idle, seen = 0, backend.submissions
-            while idle < LOCKSTEP_TURNS:
-                await asyncio.sleep(0)
-                if backend.submissions != seen or not all(check() for check in checks):
-                    idle, seen = 0, backend.submissions
-                else:
-                    idle += 1
+            await until_reacted(checks, lambda: backend.submissions)
         finally:
             release()
 

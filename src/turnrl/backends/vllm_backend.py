@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from turnrl.backends.lockstep import until_reacted
 from turnrl.errors import BackendError, ConfigError
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
@@ -270,16 +271,9 @@ class VLLMBackend:
                 await asyncio.sleep(0)
 
     async def _lockstep(self, checks: list[Callable[[], bool]]) -> None:
-        """Until every ``check`` holds and nothing was submitted for ``LOCKSTEP_TURNS``
-        turns of the event loop: the episodes that got completions ran their tools and
-        asked for their next turns (or went quiet)."""
-        idle, seen = 0, self.submissions
-        while idle < LOCKSTEP_TURNS:
-            await asyncio.sleep(0)
-            if self.submissions != seen or not all(check() for check in checks):
-                idle, seen = 0, self.submissions
-            else:
-                idle += 1
+        """Until the episodes that got completions ran their tools and asked for their
+        next turns, or went quiet (``lockstep.until_reacted``)."""
+        await until_reacted(checks, lambda: self.submissions)
 
     def load_weights(self, model: Any) -> None:
         """Put ``model``'s current weights into the engine in place (no disk round trip)
@@ -331,10 +325,6 @@ def _state_dict(model: Any) -> Mapping[str, Any]:
     state: Mapping[str, Any] = model.state_dict()
     return state
 
-
-LOCKSTEP_TURNS = 64
-"""Event-loop turns with nothing new submitted after which the episodes are taken to have
-reacted to the completions they received (as ``TorchBackend``'s)."""
 
 MIN_CPU_HEAD_SIZE = 32
 """vLLM's CPU attention refuses smaller heads ("Unsupported CPU attention configuration")."""
