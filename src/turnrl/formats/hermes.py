@@ -28,18 +28,18 @@ class HermesFormat:
     stop_strings: tuple[str, ...] = ()  # several calls may follow each other in one turn
 
     def system_prompt(self, tools: Sequence[ToolSchema]) -> str:
-        """The Qwen2.5 template's tool section, for templates that cannot render tools."""
+        """A tool section in the Qwen2.5 layout, in our own words, for templates that cannot
+        render tools (a Qwen checkpoint's own template renders them itself)."""
         if not tools:
             return ""
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return (
-            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            "# Tools\n\nThese functions are available, one JSON schema per line:\n"
             f"<tools>\n{listing}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments "
-            "within <tool_call></tool_call> XML tags:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-            "</tool_call>"
+            "To call one, write a JSON object with its name and arguments between "
+            "<tool_call> tags (several calls may follow one another):\n"
+            '<tool_call>\n{"name": <the function\'s name>, "arguments": <an object of '
+            "argument values>}\n</tool_call>"
         )
 
     def render_call(self, call: ToolCall) -> str:

@@ -36,15 +36,15 @@ class Llama3JsonFormat:
     stop_strings: tuple[str, ...] = ()  # the call is the whole message: the model ends it
 
     def system_prompt(self, tools: Sequence[ToolSchema]) -> str:
-        """Llama 3.1's instructions for JSON calls, for templates that cannot render tools."""
+        """Instructions for JSON calls in our own words, for templates that cannot render
+        tools (a Llama 3.1 checkpoint's own template renders them itself)."""
         if not tools:
             return ""
         listing = "\n\n".join(json.dumps(t, ensure_ascii=False, indent=4) for t in tools)
         return (
-            "Given the following functions, please respond with a JSON for a function call "
-            "with its proper arguments that best answers the given prompt.\n\n"
-            'Respond in the format {"name": function name, "parameters": dictionary of '
-            "argument name and its value}. Do not use variables.\n\n"
+            "These functions are available. To call one, reply with a single JSON object "
+            'and nothing else: {"name": <the function\'s name>, "parameters": <an object of '
+            "argument values>}. Use literal values only.\n\n"
             f"{listing}"
         )
 
