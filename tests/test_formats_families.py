@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_formats import calls  # the hermes tests' strategies
 from turnrl.formats import Llama3JsonFormat, MistralFormat, get_format
 from turnrl.protocols import Format, ParsedAction
 from turnrl.types import ToolCall
@@ -18,19 +19,6 @@ LLAMA = Llama3JsonFormat()
 MISTRAL = MistralFormat()
 FAST = settings(max_examples=150, deadline=None)
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-names = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-", min_size=1)
-calls = st.builds(ToolCall, names, st.dictionaries(st.text(max_size=8), json_values, max_size=4))
 SCHEMA: dict[str, Any] = {
     "type": "function",
     "function": {"name": "lookup", "description": "Look up a key.", "parameters": {}},
