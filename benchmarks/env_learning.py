@@ -2,13 +2,15 @@
 (format only: the warm-up replays the environment's random policy) for the same
 wall-clock budget, and the held-out success curve says how far above its start it got.
 
-    python benchmarks/env_learning.py          # search_qa, frozen_lake, 3x3 frozen_lake, bandit
+    python benchmarks/env_learning.py          # search_qa, frozen_lake (4x4, 3x3), bandit, atlas
     python benchmarks/env_learning.py --runs bandit --minutes 5 --jobs 1
     python benchmarks/env_learning.py --runs frozen_lake,env.size=5,env.max_moves=12 ...
     python benchmarks/env_learning.py --smoke  # the same runs, 2 steps of a tiny model each
 
 A run is ``RECIPE[,KEY=VALUE...]``: the recipe as shipped (recipes/RECIPE.toml) with those
-overrides, which the results record. Writes benchmarks/results/env_learning.json and .md;
+overrides, which the results record; or ``examples/NAME.py[,KEY=VALUE...]``: a user's
+environment as the example defines it (``make_task``, ``make_env``, its ``RECIPE``), built
+through the public API with its derived warm-up and corpus. Writes benchmarks/results/env_learning.json and .md;
 runs already there that this invocation did not make are kept (each records its own date
 and machine), so one recipe can be re-run alone. Run directories go to benchmarks/runs
 (``--out``, ``--runs-dir``; ``--smoke``: a temporary directory).
@@ -20,6 +22,7 @@ import argparse
 import json
 import multiprocessing
 import platform
+import runpy
 import shutil
 import time
 from pathlib import Path
@@ -36,7 +39,7 @@ from training_runs import (
     threads_per_job,
     write_results,
 )
-from turnrl.envs import make_env_spec
+from turnrl.envs import Environment, make_env_spec
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
@@ -46,6 +49,7 @@ RUNS = [
     "frozen_lake",
     "frozen_lake,env.size=3,env.max_moves=6,env.max_turns=6,rollout.max_turns=6",
     "bandit",
+    "examples/atlas.py",
 ]
 SMOKE_RUNS = [",".join([run, *TINY_RUN]) for run in RUNS]
 
@@ -54,15 +58,15 @@ def run_recipe(
     number: int, run: str, minutes: float, runs: Path, threads: int, machine: str
 ) -> dict[str, Any]:
     name, *overrides = run.split(",")
-    config = load_config(name, [*overrides, f"max_minutes={minutes}", f"threads={threads}"])
-    run_dir = runs / f"env-{number}-{name}"
+    config, env = load_run(name, [*overrides, f"max_minutes={minutes}", f"threads={threads}"])
+    run_dir = runs / f"env-{number}-{Path(name).stem}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    result = train(config, run_dir, progress=False)
+    result = train(config, run_dir, progress=False, env=env)
     wall = time.perf_counter() - t0
     curve = eval_curve(result.rows)
     tail = [v for _, _, v in curve[-5:]]
-    spec = make_env_spec(config.env.name, **config.env.options)
+    spec = env or make_env_spec(config.env.name, **config.env.options)
     return {
         "run": run,
         "recipe": name,
@@ -70,7 +74,7 @@ def run_recipe(
         "machine": machine,
         "budget_minutes": minutes,
         "overrides": overrides,
-        "env": config.env.name,
+        "env": getattr(spec, "name", config.env.name),
         "chance": getattr(spec, "chance", None),
         "start_success": curve[0][2],
         "final_success": curve[-1][2],
@@ -81,6 +85,16 @@ def run_recipe(
         "alarms": [a.name for a in result.alarms],
         "curve": curve,
     }
+
+
+def load_run(name: str, overrides: list[str]) -> tuple[Any, Any]:
+    """The configuration of a run and its environment family: None for a recipe (it names
+    its own), an ``Environment`` of the example's ``make_task`` and ``make_env``."""
+    if not name.endswith(".py"):
+        return load_config(name, overrides), None
+    example = runpy.run_path(str(ROOT.parent / name))
+    env = Environment(example["make_task"], example["make_env"], name=Path(name).stem)
+    return load_config(example.get("RECIPE", "grpo"), overrides), env
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -113,7 +127,7 @@ def main() -> None:
     args = parse_args(parser, "env_learning", {"runs": SMOKE_RUNS, "minutes": 0.5}, runs=True)
     for run in args.runs:  # fail before any training on a bad recipe or override
         name, *overrides = run.split(",")
-        load_config(name, overrides)
+        load_run(name, overrides)
     threads = threads_per_job(args.jobs) if args.threads is None else args.threads
     machine = (f"{platform.machine()}, {multiprocessing.cpu_count()} cores, {args.jobs} "
                f"recipes at a time with {threads or 'default'} torch thread(s) each")  # fmt: skip

@@ -69,14 +69,16 @@ def copying(data: dict[str, Any], tmp: Path) -> None:
 
 def env_learning(data: dict[str, Any], tmp: Path) -> None:
     rows = data["runs"]
-    assert [r["recipe"] for r in rows] == ["search_qa", "frozen_lake", "frozen_lake", "bandit"]
+    recipes = ["search_qa", "frozen_lake", "frozen_lake", "bandit", "examples/atlas.py"]
+    assert [r["recipe"] for r in rows] == recipes
     for number, r in enumerate(rows):
         assert "steps=2" in r["overrides"]
         assert r["steps"] == 2
         curve_ok(r["curve"], 2)
         assert r["best_success"] == max(v for _, _, v in r["curve"])
-        assert (tmp / "runs" / f"env-{number}-{r['recipe']}").is_dir()
+        assert (tmp / "runs" / f"env-{number}-{Path(r['recipe']).stem}").is_dir()
     assert rows[3]["chance"] == 0.5  # the bandit's two arms
+    assert rows[4]["env"] == "atlas"  # an example: the user's environment, public API
 
 
 def envs(data: dict[str, Any], tmp: Path) -> None:
@@ -125,6 +127,23 @@ def presets(data: dict[str, Any], tmp: Path) -> None:
         assert r["steps"] == 2
         curve_ok(r["curve"], 2)
     assert (tmp / "runs" / "warmup-seed0-echo2" / "start_model" / "config.json").is_file()
+
+
+def reliability(data: dict[str, Any], tmp: Path) -> None:
+    killed = data["kills"]
+    assert [k["aimed_at"] for k in killed["kills"]] == ["rollout", "learner", "checkpoint"]
+    assert all(k["killed"] for k in killed["kills"])
+    assert killed["metrics_equal"]
+    assert killed["files_one_record_per_step"] == dict.fromkeys(
+        ["metrics.jsonl", "trajectories.jsonl", "alarms.jsonl", "tensorboard"], True
+    )
+    fell_back, none_left = data["damages"]
+    assert (fell_back["returncode"], fell_back["resumed_from"]) == (0, 4)
+    assert "model/model.safetensors has" in fell_back["named"][0]
+    assert fell_back["metrics_equal"]
+    assert all(fell_back["files_one_record_per_step"].values())
+    assert none_left["returncode"] == 2
+    assert "no usable checkpoint" in none_left["named"][-1]
 
 
 def rollout(data: dict[str, Any], tmp: Path) -> None:
@@ -176,13 +195,27 @@ def vs_trl(data: dict[str, Any], tmp: Path) -> None:
     assert (tmp / "runs" / "vs_trl" / "warmup-seed0-echo2" / "start_model").is_dir()
 
 
+def endpoint(data: dict[str, Any], tmp: Path) -> None:
+    o = data["overhead"]
+    for name in ("in_process", "endpoint"):
+        assert o[name]["steps_timed"] >= 1
+        assert o[name]["step_s"] > 0
+        assert o[name]["errors"] == 0  # every agent episode reached its reward
+    assert o["ratio_step"] == pytest.approx(o["endpoint"]["step_s"] / o["in_process"]["step_s"])
+    r = data["learning"]
+    assert next(s for s, _, _ in r["curve"]) == 0
+    assert r["errors"] == 0
+
+
 CHECKS: dict[str, Check] = {
     "copying": copying,
+    "endpoint": endpoint,
     "env_learning": env_learning,
     "envs": envs,
     "learner": learner,
     "learning_proof": learning_proof,
     "presets": presets,
+    "reliability": reliability,
     "rollout": rollout,
     "tools": tools,
     "vs_trl": vs_trl,

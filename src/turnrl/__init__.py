@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from turnrl.envs import Environment, ToolEnv, check_env, make_env_spec
+from turnrl.envs.agent import AgentEnvironment
 from turnrl.errors import ConfigError, EpisodeFailures, TurnrlError
 from turnrl.formats import get_format
 from turnrl.rewards import Verdict
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from turnrl.trainer.loop import RunResult
 
 __all__ = [
+    "AgentEnvironment",
     "Config",
     "ConfigError",
     "Environment",

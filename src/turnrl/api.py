@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.envs import make_env_spec
+from turnrl.envs.agent import Agent, AgentEnvironment, Reward
 from turnrl.envs.custom import as_environment
 from turnrl.errors import ConfigError
 from turnrl.trainer.config import Config, EnvConfig, load_config
@@ -24,6 +25,9 @@ def train(
     recipe: str | Path | Config | None = None,
     *,
     env: Any = None,
+    agent: Agent | None = None,
+    tasks: Any = None,
+    reward: Reward | None = None,
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
     resume: bool = False,
@@ -36,8 +40,11 @@ def train(
 
     ``env`` is an environment family: an object with ``task(index, split)`` and
     ``make_env()`` (e.g. ``turnrl.Environment``), a function returning one, a registered
-    name or ``"package.module:factory"``; None keeps the recipe's. Returns every metrics
-    row and alarm of the run.
+    name or ``"package.module:factory"``; None keeps the recipe's. Or, instead of ``env``,
+    an existing ``agent`` (``async def agent(task, client)``, see ``turnrl.AgentEnvironment``)
+    with its ``tasks`` and ``reward(task, answer, transcript)``: the agent's model calls are
+    served by the policy through an OpenAI-compatible endpoint and trained on, token-exact,
+    in the model family's call format. Returns every metrics row and alarm of the run.
     """
     if isinstance(recipe, Config):
         if overrides:
@@ -46,6 +53,18 @@ def train(
     else:
         config = load_config(None if recipe is None else str(recipe), list(overrides))
     spec = None
+    if agent is not None:
+        if env is not None:
+            raise ConfigError("give env or agent (with tasks and reward), not both")
+        if tasks is None or reward is None:
+            raise ConfigError("an agent needs tasks= and reward=(task, answer, transcript)")
+        env = AgentEnvironment(agent, tasks, reward, format=_family_format(config))
+        try:
+            return train(config, env=env, out=out, resume=resume, progress=progress, on_row=on_row)
+        finally:
+            env.close()
+    elif tasks is not None or reward is not None:
+        raise ConfigError("tasks= and reward= go with agent=; an environment has its own")
     if isinstance(env, str):
         config = dataclasses.replace(config, env=EnvConfig(name=env))
         spec = make_env_spec(env)
@@ -63,3 +82,11 @@ def train(
         )
     run_dir = Path(out) if out is not None else Path("runs") / config.name
     return _train_loop(config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec)
+
+
+def _family_format(config: Config) -> str:
+    """The call format of the run's model family (the tiny model's ``model.arch``)."""
+    from turnrl.models import FAMILIES
+
+    family = FAMILIES.get(config.model.arch) if not config.model.path else None
+    return family.tool_format if family is not None else "hermes"

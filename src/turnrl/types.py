@@ -53,6 +53,10 @@ class StepResult:
     ``terminated``: the task reached an end state (answered, solved, failed for good).
     ``truncated``: a limit ended it before a natural end. Both may be False (keep going).
     ``observation`` messages are appended to the conversation and shown to the model.
+    ``context``, when given, replaces the whole conversation instead: the environment
+    rewrote the history (an agent that summarised or dropped earlier turns). The next turn
+    then starts a new training sample from ``context`` rendered afresh (never re-tokenized
+    sampled text), counted as ``rollout/context_rewrites``; ``observation`` is ignored.
     """
 
     observation: tuple[Message, ...] = ()
@@ -60,6 +64,7 @@ class StepResult:
     terminated: bool = False
     truncated: bool = False
     info: Mapping[str, Any] = field(default_factory=dict)
+    context: tuple[Message, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,8 @@ class Trajectory:
     policy_version: int = 0
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     template_breaks: int = 0
+    context_rewrites: int = 0
+    """Turns after which the environment replaced the conversation (``StepResult.context``)."""
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -10,10 +10,16 @@ model gives the episodes an uninterrupted one would.
 - Local checkpoint (``model_path``): the rollout engine and the torch backend, exactly as in
   training (token-exact; the episode limits apply as in ``[rollout]``).
 - Endpoint (``endpoint``, e.g. ``http://127.0.0.1:8000/v1``): text-level episodes over
-  ``/chat/completions``; the server's chat template renders the messages and tools; stop
-  strings are asked to be kept in the output (``include_stop_str_in_output``, as vLLM
-  names it) because call formats need their closing tags. A request that fails is an
-  episode with stop reason ``error``, not a crash.
+  ``/chat/completions``; the server's chat template renders the messages and tools. A
+  server that parses tool calls (vLLM with ``--tool-call-parser``, SGLang, OpenAI) returns
+  them in ``message.tool_calls``: each turn's text is rebuilt in the env's call format
+  (``assistant_text``; the env's ``format``, hermes where it has none), and that text is
+  what ``env.step`` reads and the conversation keeps, as in a local episode. Stop strings,
+  where the env has any, are asked to be kept in the output (``include_stop_str_in_output``,
+  as vLLM names it) because call formats need their closing tags; only then, because vLLM
+  would also keep the end-of-turn token (it decodes special tokens to parse tool calls).
+  A turn cut off at ``max_tokens_per_turn`` ends the episode, as in a local one. A request
+  that fails is an episode with stop reason ``error``, not a crash.
 
 ``summary.json``: episodes, success (the mean over episodes), pass@k (the share of tasks
 with at least one success among their k samples), mean reward and reward components,
@@ -36,7 +42,10 @@ from tqdm import tqdm
 
 from turnrl.envs import make_env_spec
 from turnrl.envs.policy import HasCard
+from turnrl.envs.probes import env_format
 from turnrl.errors import ConfigError
+from turnrl.formats import get_format
+from turnrl.formats.openai_message import assistant_text
 from turnrl.protocols import Env
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.types import Message, Task, Trajectory
@@ -318,6 +327,7 @@ async def _remote_episode(
     reward, success, components = 0.0, False, {}
     turns = calls = tool_errors = tokens = 0
     stop_reason, error = "max_turns", None
+    fmt = env_format(env) or get_format("hermes")  # the call format of tool_calls replies
     try:
         messages = list(await env.reset(task, derive_seed(config.seed, task.id, sample)))
         for turn in range(config.max_turns):
@@ -325,18 +335,23 @@ async def _remote_episode(
                 "model": model, "messages": messages, "max_tokens": config.max_tokens_per_turn,
                 "temperature": config.temperature, "top_p": config.top_p,
                 "seed": derive_seed(config.seed, task.id, sample, turn) % (2**31),
-                "include_stop_str_in_output": True,
             }  # fmt: skip
             if tools := env.tool_schemas():
                 body["tools"] = tools
             if stops := env.stop_strings():
                 body["stop"] = list(stops)
+                body["include_stop_str_in_output"] = True
             reply = await asyncio.to_thread(
                 _http, "POST", f"{base}/chat/completions", body, config.timeout_s
             )
-            text = str(reply["choices"][0]["message"].get("content") or "")
+            choice = reply["choices"][0]
+            text = assistant_text(choice["message"], fmt)
             tokens += int(reply.get("usage", {}).get("completion_tokens", 0))
             turns += 1
+            if choice.get("finish_reason") == "length":  # cut off: ends as a local episode does
+                messages.append({"role": "assistant", "content": text})
+                stop_reason = "max_tokens_per_turn"
+                break
             result = await env.step(text)
             records = result.info.get("tool_calls", [])
             calls += len(records)

@@ -4,11 +4,13 @@
 the context is the first rendered prompt followed by each completion's sampled ids and the
 template's tokens for each observation, never re-tokenized; every limit that ends an
 episode is recorded as its ``stop_reason``; an exception from the environment or the
-backend is recorded on the trajectory (``error``), not raised.
+backend is recorded on the trajectory (``error``), not raised, and so is an episode that
+runs past its wall-clock deadline (``EpisodeLimits.timeout_s``), naming what it waited on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import traceback
 from collections.abc import Awaitable, Callable
@@ -41,6 +43,10 @@ class EpisodeLimits:
     """Tokens the model may sample over the whole episode."""
     max_context_tokens: int = 1024
     """Prompt plus everything after it; keep within the model's context window."""
+    timeout_s: float | None = None
+    """Wall-clock limit of the whole episode (None: none). Past it the episode is recorded
+    as failed (``error`` names what it was waiting for: the model, the environment, a
+    tool, an agent), never left blocking its batch."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +78,23 @@ async def run_episode(
 ) -> Trajectory:
     """Play one episode of ``task`` in ``env`` and return its token-exact trajectory.
 
-    When the episode ends, however it ends, the env's ``close()`` runs if it has one.
+    When the episode ends, however it ends, the env's ``close()`` runs if it has one. An
+    env that wants each sampled turn (token ids and log-probs, e.g. to return them to an
+    agent) defines ``observe_turn(turn)``; it is called before ``step`` with that turn.
     """
     traj = Trajectory(task_id=task.id, sample_index=sample_index, policy_version=policy_version)
+    waiting = ["env.reset"]  # what the episode waits on now, for the deadline's message
     try:
-        await _play(traj, env, task, generate, renderer, limits, sampling, seed)
+        await asyncio.wait_for(
+            _play(traj, env, task, generate, renderer, limits, sampling, seed, waiting),
+            limits.timeout_s,
+        )
+    except asyncio.TimeoutError:
+        traj.error = (
+            f"TimeoutError: the episode ran past its {limits.timeout_s:g} s deadline "
+            f"(rollout.episode_timeout_s) while waiting for {waiting[0]}"
+        )
+        _end(traj, "error", truncated=False)
     except Exception as exc:  # a bad rollout is data: record it, never crash the batch
         traj.error = f"{type(exc).__name__}: {exc}"
         traj.info["traceback"] = traceback.format_exc(limit=-12)  # the innermost frames: the bug
@@ -113,6 +131,7 @@ async def _play(
     limits: EpisodeLimits,
     sampling: SamplingParams,
     seed: int,
+    waiting: list[str],
 ) -> None:
     messages = list(await env.reset(task, seed))
     renderer = renderer.with_tools(env.tool_schemas())  # the env knows its tools after reset
@@ -136,6 +155,7 @@ async def _play(
             stop_token_ids=sampling.stop_token_ids,
             stop_strings=env.stop_strings(),
         )
+        waiting[0] = "the model (generate)"
         completion = await generate(request)
         ids = completion.token_ids
         if len(ids) != len(completion.logprobs):
@@ -143,21 +163,20 @@ async def _play(
         # The assistant's text, without the end-of-turn token the template adds itself.
         ended = completion.finish_reason == "stop" and ids and ids[-1] in sampling.stop_token_ids
         text = renderer.decode(ids[:-1] if ended else ids)
-        traj.turns.append(
-            Turn(
-                prompt_ids=tuple(new_ids),
-                completion_ids=ids,
-                completion_logprobs=completion.logprobs,
-                finish_reason=completion.finish_reason,
-                text=text,
-                new_sample=new_sample,
-                policy_version=(
-                    completion.policy_version
-                    if completion.policy_version is not None
-                    else traj.policy_version
-                ),
-            )
+        turn = Turn(
+            prompt_ids=tuple(new_ids),
+            completion_ids=ids,
+            completion_logprobs=completion.logprobs,
+            finish_reason=completion.finish_reason,
+            text=text,
+            new_sample=new_sample,
+            policy_version=(
+                completion.policy_version
+                if completion.policy_version is not None
+                else traj.policy_version
+            ),
         )
+        traj.turns.append(turn)
         context.extend(ids)
         sampled += len(ids)
         messages.append({"role": "assistant", "content": text})
@@ -167,6 +186,10 @@ async def _play(
                 reason = "max_context" if budget == room else "max_episode_tokens"
             _end(traj, reason, truncated=True)
             return
+        observe = getattr(env, "observe_turn", None)
+        if observe is not None:
+            observe(turn)
+        waiting[0] = "env.step (the environment, its tools or its agent)"
         result = await env.step(text)
         traj.reward += float(result.reward)
         _absorb_info(traj, result.info)
@@ -179,6 +202,14 @@ async def _play(
         if len(traj.turns) >= limits.max_turns:
             _end(traj, "max_turns", truncated=True)
             return
+        if result.context is not None:  # the env rewrote the history: a new sample
+            traj.info.setdefault("earlier_contexts", []).append(messages)
+            messages = list(result.context)
+            traj.messages = messages
+            traj.context_rewrites += 1
+            new_ids = renderer.prompt(messages)
+            context, new_sample = list(new_ids), True
+            continue
         cont = renderer.continuation(messages, result.observation, context)
         messages.extend(result.observation)
         new_sample = cont.template_break

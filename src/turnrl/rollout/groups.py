@@ -167,6 +167,7 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         "rollout/tool_errors_frac": sum(not c.ok for c in calls) / max(1, len(calls)),
         "rollout/truncated_frac": sum(t.truncated for t in trajs) / n,
         "rollout/template_breaks": float(sum(t.template_breaks for t in trajs)),
+        "rollout/context_rewrites": float(sum(t.context_rewrites for t in trajs)),
         "rollout/errors": float(sum(t.error is not None for t in trajs)),
         "rollout/completion_tokens_mean": sum(t.num_completion_tokens for t in trajs) / n,
         **_component_means(trajs),

@@ -169,6 +169,10 @@ class RolloutConfig:
     first failure's traceback. The model's mistakes (malformed calls, bad arguments, unknown
     tools, a tool's error) are observations and never count. A step whose every episode
     failed stops the run whatever this says: there is nothing to train on."""
+    episode_timeout_s: float = 900.0
+    """Wall-clock limit of one episode, in seconds (0: none). An episode past it is
+    recorded as failed, naming what it waited for (the model, a tool, an agent), and
+    counts against ``max_error_frac``; it never blocks its batch."""
 
     def __post_init__(self) -> None:
         _require(
@@ -180,6 +184,7 @@ class RolloutConfig:
                 (self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
                 (self.max_turns >= 1, "rollout.max_turns must be >= 1"),
                 (0.0 <= self.max_error_frac <= 1.0, "rollout.max_error_frac must be in [0, 1]"),
+                (self.episode_timeout_s >= 0.0, "rollout.episode_timeout_s must be >= 0"),
                 (self.startup_tolerance >= 0.0, "rollout.startup_tolerance must be >= 0"),
                 (self.max_tokens_per_turn >= 1, "rollout.max_tokens_per_turn must be >= 1"),
                 (0.0 < self.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),

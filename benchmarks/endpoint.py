@@ -1,0 +1,180 @@
+"""An existing agent trained through the policy endpoint: what the endpoint costs, and
+that the agent learns.
+
+    python benchmarks/endpoint.py                 # overhead (both paths) + learning run
+    python benchmarks/endpoint.py --sections overhead
+    python benchmarks/endpoint.py --smoke         # the same code on tiny settings
+
+Overhead: the same training (the quick-start, a short warm-up, no evaluation) twice in
+one process, once with the probe's own ``ToolEnv`` in process and once with
+``examples/existing_agent.py``'s agent (the `openai` SDK over loopback HTTP, one agent per
+episode); the mean step and rollout times of steps 2.. are compared (target: the endpoint
+at most 1.3x the in-process step time). Learning: the quick-start through the endpoint,
+from its format-only warm-up, with held-out success every 10 steps (the target is >= 0.8).
+Writes benchmarks/results/endpoint.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import runpy
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from outputs import parse_args
+from training_runs import TINY_RUN, eval_curve, first_reaching, write_results
+from turnrl.api import train
+
+ROOT = Path(__file__).resolve().parent
+EXAMPLE = ROOT.parent / "examples" / "existing_agent.py"
+OVERHEAD = [  # the quick-start's model and batch; a short warm-up so episodes call the tool
+    "model.echo_steps=100", "warmup.steps=100", "eval.every=100000", "max_minutes=0",
+    "save_every=100000",
+]  # fmt: skip
+LEARNING = ["max_minutes=0", "eval.every=10", "eval.num_tasks=64", "save_every=100000"]
+
+
+def environments() -> tuple[Any, Any]:
+    """The probe in process, and the example's agent on the same tasks."""
+    example = runpy.run_path(str(EXAMPLE))
+    from turnrl import AgentEnvironment
+
+    probe = example["PROBE"]
+    agent = AgentEnvironment(
+        example["agent"], probe.task, example["reward"], name="existing_agent",
+        demonstrate=probe.demonstration, corpus_text=probe.corpus(),
+    )  # fmt: skip
+    return probe, agent
+
+
+def run(env: Any, overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return train("quickstart", env=env, out=run_dir, overrides=overrides, progress=False).rows
+
+
+def overhead(steps: int, extra: list[str], runs: Path) -> dict[str, Any]:
+    probe, agent = environments()
+    out: dict[str, Any] = {"steps": steps}
+    try:
+        for name, env in (("in_process", probe), ("endpoint", agent)):
+            rows = run(env, [*OVERHEAD, *extra, f"steps={steps}"], runs / f"endpoint-{name}")
+            timed = [r for r in rows if "perf/step_s" in r and r["step"] >= 2]
+            out[name] = {
+                "step_s": statistics.mean(r["perf/step_s"] for r in timed),
+                "rollout_s": statistics.mean(r["perf/rollout_s"] for r in timed),
+                "tool_calls_mean": statistics.mean(r["rollout/tool_calls_mean"] for r in timed),
+                "errors": sum(r["rollout/errors"] for r in timed),
+                "steps_timed": len(timed),
+            }
+    finally:
+        agent.close()
+    out["ratio_step"] = out["endpoint"]["step_s"] / out["in_process"]["step_s"]
+    out["ratio_rollout"] = out["endpoint"]["rollout_s"] / out["in_process"]["rollout_s"]
+    return out
+
+
+def learning(steps: int, extra: list[str], runs: Path) -> dict[str, Any]:
+    _, agent = environments()
+    start = time.perf_counter()
+    try:
+        rows = run(agent, [*LEARNING, *extra, f"steps={steps}"], runs / "endpoint-learning")
+    finally:
+        agent.close()
+    curve = eval_curve(rows)
+    reached = first_reaching(curve, 0.8)
+    return {
+        "steps": steps,
+        "wall_s": time.perf_counter() - start,
+        "curve": curve,
+        "start": curve[0][2],
+        "best": max(v for _, _, v in curve),
+        "final": curve[-1][2],
+        "reached_0.8": None if reached is None else {"step": reached[0], "rl_s": reached[1]},
+        "errors": sum(r.get("rollout/errors", 0.0) for r in rows),
+        "context_rewrites": sum(r.get("rollout/context_rewrites", 0.0) for r in rows),
+    }
+
+
+def markdown(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "# The policy endpoint: an existing agent trained as it is",
+        "",
+        f"{data['date']}, {data['machine']}, torch threads {data['threads']}.",
+    ]
+    if "overhead" in data:
+        o = data["overhead"]
+        lines += [
+            "",
+            f"## Overhead ({o['in_process']['steps_timed']} timed steps each)",
+            "",
+            "| path | step s | rollout s | tool calls / episode | errors |",
+            "|---|---|---|---|---|",
+        ]
+        for name in ("in_process", "endpoint"):
+            r = o[name]
+            lines.append(
+                f"| {name} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | "
+                f"{r['tool_calls_mean']:.2f} | {r['errors']:.0f} |"
+            )
+        lines += [
+            "",
+            f"Endpoint / in-process: step {o['ratio_step']:.2f}x, rollout "
+            f"{o['ratio_rollout']:.2f}x (target: step at most 1.3x).",
+        ]
+    if "learning" in data:
+        r = data["learning"]
+        reached = r["reached_0.8"]
+        lines += [
+            "",
+            "## Learning through the endpoint (quick-start, held-out success)",
+            "",
+            f"Start {r['start']:.2f}, best {r['best']:.2f}, final {r['final']:.2f} after "
+            f"{r['steps']} steps ({r['wall_s'] / 60:.1f} min); 0.8 "
+            + (f"first at step {reached['step']}" if reached else "not reached")
+            + f"; errors {r['errors']:.0f}, context rewrites {r['context_rewrites']:.0f}.",
+            "",
+            "| step | success |",
+            "|---|---|",
+            *(f"| {s} | {v:.3f} |" for s, _, v in r["curve"]),
+        ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", default="overhead,learning")
+    parser.add_argument("--overhead-steps", type=int, default=10)
+    parser.add_argument("--learning-steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=2)
+    smoke = {"overhead_steps": 3, "learning_steps": 2}
+    args = parse_args(parser, "endpoint", smoke, runs=True)
+    extra = [f"threads={args.threads}", f"seed={args.seed}"]
+    if args.smoke:
+        extra += [o for o in TINY_RUN if not o.startswith(("steps=", "eval."))]
+    runs = args.runs_dir
+    data: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads max",
+        "threads": args.threads,
+        "seed": args.seed,
+        "smoke": args.smoke,
+    }
+    sections = args.sections.split(",")
+    if "overhead" in sections:
+        data["overhead"] = overhead(args.overhead_steps, extra, runs)
+    if "learning" in sections:
+        data["learning"] = learning(args.learning_steps, extra, runs)
+    lines = markdown(data)
+    print("\n".join(lines))
+    write_results(args.out, data, [], lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""Train an agent that already exists: its model calls become the policy's turns.
+
+The agent is ordinary code against an OpenAI-compatible client (``async def agent(task,
+client)``, or any callable taking ``base_url`` and ``api_key``). ``AgentEnv`` turns one run
+of it into one episode: ``reset`` starts the agent on the task and waits for its first
+request to the policy endpoint (``turnrl.envs.endpoint``); each ``step`` answers the
+pending request with the policy's completion (tool calls parsed by the model family's
+format and returned as OpenAI ``tool_calls``) and waits for the agent's next request, whose
+new messages (tool results, user turns) are the observation; when the agent returns, its
+answer is scored by your ``reward(task, answer, transcript)`` and the episode ends.
+
+Token-exactness (DESIGN.md invariant 1). The policy's turns are kept as the ids it sampled.
+When a request extends the conversation the endpoint answered (the previous request's
+messages, the reply, then new messages), only the new messages are rendered, after the
+sampled ids: the usual case, one training sample. When the agent rewrote its history
+(summarised, dropped, edited a message, changed its tools) the request starts a new
+sample of the episode from its messages rendered afresh, counted as
+``rollout/context_rewrites``; sampled text is never re-tokenized into a sample that
+claims to continue it.
+
+What the endpoint does not take from a request, on purpose: ``temperature``, ``top_p``,
+``seed`` and ``max_tokens`` are the run's (``rollout.*``), since training needs the
+completions sampled as the learner scores them; ``tool_choice`` is not enforced (the
+policy decides whether to call, which is what RL trains). ``stop`` strings are honoured.
+
+Failures are data: an agent that raises, never calls the endpoint, or hangs past
+``rollout.episode_timeout_s`` ends its episode with ``error`` set and its traceback kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import hashlib
+import inspect
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from turnrl.envs.custom import Environment
+from turnrl.envs.endpoint import AgentCall, EndpointError, EpisodeInbox, PolicyEndpoint
+from turnrl.formats import get_format
+from turnrl.formats.openai_message import assistant_text
+from turnrl.protocols import Format, ToolSchema
+from turnrl.rewards import Verdict
+from turnrl.types import Message, StepResult, Task, ToolCallRecord, Turn
+
+Agent = Callable[..., Any]
+"""``(task, client) -> answer`` (async, with an ``openai.AsyncOpenAI``; or sync, with an
+``openai.OpenAI``, run in a thread), or ``(task, *, base_url, api_key) -> answer``."""
+
+Reward = Callable[[Any, Any, list[dict[str, Any]]], Any]
+"""``(task, answer, transcript) -> float | bool | Verdict`` (sync or async): the agent's
+task, its return value and the conversation as OpenAI messages, the last reply included."""
+
+
+class AgentEnv:
+    """One episode of ``agent`` on a task, its model calls answered by the policy.
+
+    Made by ``AgentEnvironment.make_env``; see the module docstring for the protocol.
+    """
+
+    def __init__(
+        self,
+        agent: Agent,
+        reward: Reward,
+        endpoint: PolicyEndpoint,
+        format: Format,
+        *,
+        executor: concurrent.futures.Executor | None = None,
+        grace_s: float = 5.0,
+    ) -> None:
+        self.agent = agent
+        self.reward = reward
+        self.endpoint = endpoint
+        self.format = format
+        self.executor = executor
+        self.grace_s = grace_s
+        self._kind = agent_kind(agent)
+        self.task: Task | None = None
+        self.inbox: EpisodeInbox | None = None
+        self._agent: asyncio.Future[Any] | None = None
+        self._call: AgentCall | None = None
+        self._tools: list[ToolSchema] = []
+        self._stops: tuple[str, ...] = ()
+        self._known: list[str] = []  # keys of the conversation the last reply extended
+        self._sampled: dict[str, str] = {}  # reply message key -> the text the policy wrote
+        self._call_names: dict[str, str] = {}  # tool call id -> tool name
+        self._turn: Turn | None = None
+        self._turns = 0
+        self._transcript: list[dict[str, Any]] = []
+        self._clients: list[Any] = []
+
+    # -- the Env protocol ------------------------------------------------------------------
+
+    def tool_schemas(self) -> list[ToolSchema]:
+        return list(self._tools) if self.format.template_tools else []
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.format.stop_strings, *self._stops)))
+
+    async def reset(self, task: Task, seed: int) -> list[Message]:
+        self.task = task
+        self.inbox = self.endpoint.open_episode(asyncio.get_running_loop())
+        self._agent = asyncio.ensure_future(self._run_agent(task, self.inbox.base_url))
+        call = await self._next_call()
+        if call is None:
+            self._raise_agent_failure("before its first request to the endpoint")
+            raise RuntimeError(
+                f"the agent returned {self._agent.result()!r} without ever calling the policy "
+                f"endpoint (its base_url was {self.inbox.base_url}); an agent must get its "
+                "answer from the model it is trained as"
+            )
+        return self._take(call)
+
+    def observe_turn(self, turn: Turn) -> None:
+        """The policy's sampled turn (ids and log-probs), just before ``step``."""
+        self._turn = turn
+
+    async def step(self, action: str) -> StepResult:
+        if self._call is None or self.inbox is None:
+            raise RuntimeError("step() called with no request of the agent to answer")
+        message, calls = self._reply_message(action)
+        self._sampled[_key(message)] = action
+        self._known.append(_key(message))
+        self._transcript.append(message)
+        self.inbox.answer(self._call, self._response(message, calls))
+        self._call = None
+        self._turns += 1
+        answered = time.monotonic()
+        call = await self._next_call()
+        if call is None:
+            return await self._finish()
+        latency = time.monotonic() - answered
+        results = {
+            str(m.get("tool_call_id")) for m in call.body["messages"] if m.get("role") == "tool"
+        }
+        records = [
+            ToolCallRecord(
+                c["function"]["name"],
+                _arguments(c["function"]["arguments"]),
+                latency,
+                c["id"] in results,
+                None if c["id"] in results else "the agent sent no result for this call",
+            )
+            for c in calls
+        ]
+        rewritten = not self._extends(call.body)
+        observation = self._take(call)
+        info = {"tool_calls": records}
+        if rewritten:
+            return StepResult(context=tuple(observation), info=info)
+        return StepResult(observation=tuple(observation), info=info)
+
+    async def close(self) -> None:
+        """End the episode: refuse the agent's waiting and later calls, stop the agent."""
+        if self.inbox is not None:
+            why = "the episode ended (a turn or token limit, or the run's deadline)"
+            if self._call is not None and not self._call.reply.done():
+                self._call.reply.set_exception(EndpointError(409, f"episode over: {why}"))
+            self._call = None
+            self.endpoint.close_episode(self.inbox, why)
+        if self._agent is not None and not self._agent.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._agent), self.grace_s)
+            except BaseException:  # it ignored the refusal or failed on it: stop it
+                self._agent.cancel()
+        if self._agent is not None and self._agent.done() and not self._agent.cancelled():
+            self._agent.exception()  # retrieved: a failure after the end is not news
+        for client in self._clients:
+            await _close_client(client)
+        self._clients = []
+
+    # -- the agent -------------------------------------------------------------------------
+
+    async def _run_agent(self, task: Task, base_url: str) -> Any:
+        given = task.metadata.get(AGENT_TASK, task)
+        loop = asyncio.get_running_loop()
+        key = self.endpoint.api_key or "turnrl"  # the SDK needs one even where none is checked
+        if self._kind == "base_url":
+            if _is_async(self.agent):
+                return await self.agent(given, base_url=base_url, api_key=key)
+            call = functools.partial(self.agent, given, base_url=base_url, api_key=key)
+            return await loop.run_in_executor(self.executor, call)
+        import openai
+
+        if self._kind == "async_client":
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+            self._clients.append(client)
+            return await self.agent(given, client)
+        sync_client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        self._clients.append(sync_client)
+        return await loop.run_in_executor(self.executor, self.agent, given, sync_client)
+
+    async def _next_call(self) -> AgentCall | None:
+        """The agent's next request, or None when the agent has returned (or failed)."""
+        assert self.inbox is not None
+        assert self._agent is not None
+        getter = asyncio.ensure_future(self.inbox.calls.get())
+        await asyncio.wait({getter, self._agent}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        return None
+
+    def _raise_agent_failure(self, when: str) -> None:
+        assert self._agent is not None
+        if self._agent.cancelled():
+            raise RuntimeError(f"the agent was cancelled {when}")
+        exc = self._agent.exception()
+        if exc is not None:
+            raise exc  # the agent's own traceback is the story
+
+    async def _finish(self) -> StepResult:
+        self._raise_agent_failure("while the episode ran")
+        assert self._agent is not None
+        assert self.task is not None
+        answer = self._agent.result()
+        given = self.task.metadata.get(AGENT_TASK, self.task)
+        verdict = self.reward(given, answer, list(self._transcript))
+        if inspect.isawaitable(verdict):
+            verdict = await verdict
+        if isinstance(verdict, (bool, int, float)):
+            verdict = Verdict(float(verdict), success=float(verdict) >= 1.0)
+        if not isinstance(verdict, Verdict):
+            raise TypeError(
+                f"the reward function returned {type(verdict).__name__}; return a number or "
+                "a turnrl.Verdict"
+            )
+        info = {"success": verdict.success, "reward_components": verdict.components}
+        return StepResult(reward=verdict.reward, terminated=True, info=info)
+
+    # -- requests and replies --------------------------------------------------------------
+
+    def _take(self, call: AgentCall) -> list[Message]:
+        """Make ``call`` the one to answer; return the messages the policy reads next: the
+        new ones after the known conversation, or (first call, rewrite) all of them."""
+        body = call.body
+        first = self._call is None and not self._known
+        extends = not first and self._extends(body)
+        self._call = call
+        stop = body.get("stop") or ()
+        self._stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if first:  # the episode's tools are its first request's (the template has them)
+            self._tools = list(body.get("tools") or [])
+        messages = body["messages"]
+        for m in messages:
+            for c in m.get("tool_calls") or ():
+                if isinstance(c.get("id"), str):
+                    self._call_names.setdefault(c["id"], c["function"]["name"])
+        self._transcript = [dict(m) for m in messages]
+        new = messages[len(self._known) :] if extends else messages
+        self._known = [_key(m) for m in messages]
+        converted = [self._internal(m) for m in new]
+        if extends:
+            return converted
+        return self._with_tool_prompt(converted)
+
+    def _extends(self, body: Mapping[str, Any]) -> bool:
+        messages = body["messages"]
+        n = len(self._known)
+        return len(messages) > n and [_key(m) for m in messages[:n]] == self._known
+
+    def _with_tool_prompt(self, messages: list[Message]) -> list[Message]:
+        """Formats whose template does not render tools get them in the system prompt, as
+        ``ToolEnv`` does."""
+        if self.format.template_tools or not self._tools:
+            return messages
+        prompt = self.format.system_prompt(self._tools)
+        if messages and messages[0]["role"] == "system":
+            head = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+            return [head, *messages[1:]]
+        return [{"role": "system", "content": prompt}, *messages]
+
+    def _internal(self, m: Mapping[str, Any]) -> Message:
+        """An OpenAI message as the chat template reads it: the policy's own turns as the
+        text it sampled; an agent-written assistant turn with its calls in the format."""
+        role = str(m["role"])
+        content = _text(m.get("content"))
+        if role == "assistant":
+            sampled = self._sampled.get(_key(m))
+            text = sampled if sampled is not None else assistant_text(m, self.format)
+            return {"role": "assistant", "content": text}
+        if role == "tool":
+            out: Message = {"role": "tool", "content": content}
+            name = m.get("name") or self._call_names.get(str(m.get("tool_call_id")))
+            if name:
+                out["name"] = str(name)
+            return out
+        return {"role": "system" if role == "developer" else role, "content": content}
+
+    def _reply_message(self, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The assistant message an OpenAI server would return for ``text``: parsed calls
+        become ``tool_calls`` (content None); otherwise the text is the content."""
+        parsed = self.format.parse(text)
+        if parsed.errors or not parsed.tool_calls:
+            return {"role": "assistant", "content": text}, []
+        assert self.inbox is not None
+        calls = []
+        for i, call in enumerate(parsed.tool_calls):
+            digest = hashlib.blake2b(f"{self.inbox.id}/{self._turns}/{i}".encode(), digest_size=8)
+            call_id = digest.hexdigest()[:9]
+            self._call_names[call_id] = call.name
+            arguments = json.dumps(dict(call.arguments), ensure_ascii=False)
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": arguments},
+                }
+            )
+        return {"role": "assistant", "content": None, "tool_calls": calls}, calls
+
+    def _response(self, message: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.inbox is not None
+        assert self._call is not None
+        turn = self._turn
+        completion = len(turn.completion_ids) if turn is not None else 0
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": "tool_calls" if calls else "stop",
+            "logprobs": None,
+        }
+        if self._call.body.get("logprobs") and turn is not None:
+            # vLLM's convention for tokens named by id (--return-tokens-as-token-ids)
+            choice["logprobs"] = {
+                "content": [
+                    {"token": f"token_id:{i}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for i, lp in zip(turn.completion_ids, turn.completion_logprobs, strict=True)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{self.inbox.id}-{self._turns}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.endpoint.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": 0,
+                "completion_tokens": completion,
+                "total_tokens": completion,
+            },
+        }
+
+
+AGENT_TASK = "agent_task"
+"""``Task.metadata`` key holding a task given as any object (the agent gets that object)."""
+
+
+class AgentEnvironment(Environment):
+    """An existing agent as an environment family: its tasks, a fresh ``AgentEnv`` per
+    episode, one policy endpoint for all of them (started on first use).
+
+    ``tasks`` (and ``test_tasks``): ``turnrl.Task`` objects, or any objects (each wrapped
+    in a ``Task``; the agent and the reward get the object itself), or a function of
+    (index, split). ``format``: the model family's call format (``hermes`` for the
+    quick-start and Qwen-style templates, ``llama3_json``, ``mistral``). ``endpoint``: a
+    ``PolicyEndpoint`` to serve on (default: loopback, a free port). ``demonstrate`` and
+    ``corpus_text``: as for ``Environment`` (by default both are derived, the derived
+    demonstration playing one call through the agent itself).
+    """
+
+    endpoint: PolicyEndpoint
+
+    def __init__(
+        self,
+        agent: Agent,
+        tasks: Sequence[Any] | Callable[[int, str], Task],
+        reward: Reward,
+        *,
+        test_tasks: Sequence[Any] | Callable[[int, str], Task] | None = None,
+        format: str | Format = "hermes",
+        endpoint: PolicyEndpoint | None = None,
+        name: str = "agent",
+        demonstrate: Callable[[Task, Any], list[str]] | None = None,
+        corpus_text: Sequence[str] = (),
+        max_threads: int = 256,
+    ) -> None:
+        agent_kind(agent)  # a wrong signature fails here, before any episode
+        if not callable(reward):
+            raise TypeError(f"reward must be a function (task, answer, transcript), got {reward!r}")
+        fmt = get_format(format) if isinstance(format, str) else format
+        served = endpoint or PolicyEndpoint()
+        executor = concurrent.futures.ThreadPoolExecutor(max_threads, "turnrl-agent")
+
+        def make() -> AgentEnv:
+            return AgentEnv(agent, reward, served, fmt, executor=executor)
+
+        super().__init__(
+            tasks=as_tasks(tasks, "train"),
+            env=make,
+            test_tasks=None if test_tasks is None else as_tasks(test_tasks, "test"),
+            name=name,
+            demonstrate=demonstrate,
+            corpus_text=tuple(corpus_text),
+        )
+        object.__setattr__(self, "endpoint", served)  # a frozen dataclass's fields are set
+
+    def close(self) -> None:
+        """Stop the endpoint."""
+        self.endpoint.close()
+
+
+def as_tasks(
+    tasks: Sequence[Any] | Callable[[int, str], Any], split: str
+) -> Sequence[Task] | Callable[[int, str], Task]:
+    """``tasks`` as ``Task``s: any other object becomes ``Task(id, prompt=(its text,))``
+    holding the object under ``metadata["agent_task"]``."""
+    if callable(tasks):
+        source = tasks
+        return lambda index, sp: _as_task(source(index, sp), f"{sp}-{index}")
+    if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
+        raise TypeError("tasks must be a non-empty list (of Task or any objects) or a function")
+    return [_as_task(t, f"{split}-{i}") for i, t in enumerate(tasks)]
+
+
+def _as_task(obj: Any, task_id: str) -> Task:
+    if isinstance(obj, Task):
+        return obj
+    text = obj if isinstance(obj, str) else json.dumps(obj, default=str)
+    return Task(id=task_id, prompt=({"role": "user", "content": text},), metadata={AGENT_TASK: obj})
+
+
+def agent_kind(agent: Any) -> str:
+    """How ``agent`` is called: ``async_client``, ``sync_client`` or ``base_url``."""
+    if not callable(agent):
+        raise TypeError(f"agent must be a function, got {agent!r}")
+    try:
+        params = inspect.signature(agent).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    if "base_url" in params:
+        return "base_url"
+    positional = [
+        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+        raise TypeError(
+            "an agent is `async def agent(task, client)` (an openai.AsyncOpenAI), "
+            "`def agent(task, client)` (an openai.OpenAI, run in a thread), or takes "
+            f"`base_url=` and `api_key=` keywords; got {getattr(agent, '__name__', agent)!r}"
+            f"{inspect.signature(agent) if params else ''}"
+        )
+    return "async_client" if _is_async(agent) else "sync_client"
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or (
+        callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
+    )
+
+
+def _key(m: Mapping[str, Any]) -> str:
+    """What makes two OpenAI messages the same turn of a conversation (None and "" content
+    alike; call arguments compared as JSON values; SDK-only fields ignored)."""
+    out: dict[str, Any] = {"role": m.get("role"), "content": _text(m.get("content"))}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [
+            [c["function"]["name"], _arguments(c["function"].get("arguments"))]
+            for c in m["tool_calls"]
+        ]
+    if m.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(m["tool_call_id"])
+    return json.dumps(out, sort_keys=True, default=str)
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    """A call's arguments as an object (a JSON string is parsed; what does not parse is
+    kept whole under ``"_raw"``, so comparison and rendering still see it)."""
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        return {"_raw": raw}
+    return dict(value) if isinstance(value, dict) else {"_raw": raw}
+
+
+async def _close_client(client: Any) -> None:
+    try:
+        result = client.close()
+        if inspect.isawaitable(result):
+            await result
+    except Exception:  # closing a finished client's pool: nothing to save
+        return
