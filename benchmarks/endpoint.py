@@ -11,12 +11,14 @@ one process, once with the probe's own ``ToolEnv`` in process and once with
 episode); the mean step and rollout times of steps 2.. are compared (target: the endpoint
 at most 1.3x the in-process step time). Learning: the quick-start through the endpoint,
 from its format-only warm-up, with held-out success every 10 steps (the target is >= 0.8).
-Writes benchmarks/results/endpoint.json and .md.
+Writes benchmarks/results/endpoint.json and .md; a section not run keeps its figures
+there (each section records the date and machine it ran on).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import runpy
 import shutil
@@ -111,7 +113,8 @@ def markdown(data: dict[str, Any]) -> list[str]:
         o = data["overhead"]
         lines += [
             "",
-            f"## Overhead ({o['in_process']['steps_timed']} timed steps each)",
+            f"## Overhead ({o['in_process']['steps_timed']} timed steps each; {o['date']}, "
+            f"{o['threads']} thread(s))",
             "",
             "| path | step s | rollout s | tool calls / episode | errors |",
             "|---|---|---|---|---|",
@@ -132,7 +135,8 @@ def markdown(data: dict[str, Any]) -> list[str]:
         reached = r["reached_0.8"]
         lines += [
             "",
-            "## Learning through the endpoint (quick-start, held-out success)",
+            f"## Learning through the endpoint (quick-start, held-out success; {r['date']}, "
+            f"seed {r['seed']}, {r['threads']} thread(s))",
             "",
             f"Start {r['start']:.2f}, best {r['best']:.2f}, final {r['final']:.2f} after "
             f"{r['steps']} steps ({r['wall_s'] / 60:.1f} min); 0.8 "
@@ -167,10 +171,15 @@ def main() -> None:
         "smoke": args.smoke,
     }
     sections = args.sections.split(",")
+    previous = args.out.with_suffix(".json")
+    if previous.is_file() and not args.smoke:  # a section not re-run keeps its last figures
+        kept = json.loads(previous.read_text())
+        data.update({k: kept[k] for k in ("overhead", "learning") if k in kept})
+    stamp = {"date": data["date"], "threads": args.threads, "seed": args.seed}
     if "overhead" in sections:
-        data["overhead"] = overhead(args.overhead_steps, extra, runs)
+        data["overhead"] = {**overhead(args.overhead_steps, extra, runs), **stamp}
     if "learning" in sections:
-        data["learning"] = learning(args.learning_steps, extra, runs)
+        data["learning"] = {**learning(args.learning_steps, extra, runs), **stamp}
     lines = markdown(data)
     print("\n".join(lines))
     write_results(args.out, data, [], lines)

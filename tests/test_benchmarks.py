@@ -131,7 +131,7 @@ def presets(data: dict[str, Any], tmp: Path) -> None:
 
 def reliability(data: dict[str, Any], tmp: Path) -> None:
     killed = data["kills"]
-    assert [k["aimed_at"] for k in killed["kills"]] == ["rollout", "learner", "checkpoint"]
+    assert sorted(k["aimed_at"] for k in killed["kills"]) == ["checkpoint", "learner", "rollout"]
     assert all(k["killed"] for k in killed["kills"])
     assert killed["metrics_equal"]
     assert killed["files_one_record_per_step"] == dict.fromkeys(

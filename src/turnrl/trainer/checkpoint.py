@@ -8,13 +8,28 @@ state (step, policy version). It is written under a temporary name and renamed i
 and ``checkpoints/latest`` is replaced atomically after it, so a run killed at any moment
 leaves the previous checkpoint intact. Sampling seeds derive from (seed, step, task,
 sample), so step and weights are all a resumed run needs to continue the same run.
+
+Integrity: the last file written into a checkpoint is ``manifest.json``, every other file
+with its size and SHA-256 (each file is fsync'd first, the manifest written atomically).
+A resume (``latest_checkpoint``) checks the newest checkpoint against it; a damaged one (a
+file missing, truncated or changed: a disk error, a half-finished copy of the run) is
+reported with what is wrong and the next older one is tried. Checkpoints written before
+manifests existed are checked for structure only (``_structure_problems``): the files a
+resume loads are there, ``.pt`` files end with their zip directory, and ``.safetensors``
+files are as long as their header says.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import struct
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +38,11 @@ import torch
 
 from turnrl.errors import ConfigError
 from turnrl.models.lora import save_model
+
+MANIFEST = "manifest.json"
+"""Each file of a checkpoint with its size and SHA-256, written last."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,11 +74,29 @@ def save_checkpoint(
     if extra is not None:
         torch.save(extra, tmp / "extra.pt")
     (tmp / "state.json").write_text(json.dumps(state.__dict__))
-    if final.exists():
-        shutil.rmtree(final)
+    _write_manifest(tmp)
+    if final.exists():  # moved aside first: a half-deleted checkpoint would look whole
+        old = root / f".old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        shutil.rmtree(old)
     os.replace(tmp, final)
+    _fsync_dir(root)
     _write_atomic(root / "latest", final.name)
     return final
+
+
+def _write_manifest(checkpoint: Path) -> None:
+    """Record every file of ``checkpoint`` (size, SHA-256), each fsync'd before the record
+    of it is, so a manifest on disk never vouches for data still in the page cache."""
+    files = {}
+    for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
+        files[path.relative_to(checkpoint).as_posix()] = {
+            "bytes": path.stat().st_size,
+            "sha256": _sha256(path, sync=True),
+        }
+    _write_atomic(checkpoint / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+    _fsync_dir(checkpoint)
 
 
 def save_start_policy(run_dir: Path, model: Any, tokenizer: Any) -> Path:
@@ -77,12 +115,112 @@ def save_start_policy(run_dir: Path, model: Any, tokenizer: Any) -> Path:
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+def latest_checkpoint(run_dir: Path, warn: Callable[[str], None] = logger.warning) -> Path | None:
+    """The newest whole checkpoint of ``run_dir``; None when it has no checkpoint at all.
+
+    Checkpoints are tried newest step first (``checkpoints/latest`` names the newest one a
+    run finished writing, but a run killed between renaming a checkpoint into place and
+    updating ``latest`` leaves a newer whole one). Each damaged one is passed to ``warn``
+    with what is wrong, and the next older one is tried; when none is whole, ``ConfigError``
+    lists what was wrong with each."""
+    root = run_dir / "checkpoints"
+    found = [p for p in root.glob("step_*") if re.fullmatch(r"step_\d+", p.name) and p.is_dir()]
+    rejected = []
+    for checkpoint in sorted(found, key=lambda p: int(p.name[5:]), reverse=True):
+        problems = checkpoint_problems(checkpoint)
+        if not problems:
+            return checkpoint
+        rejected.append(f"{checkpoint.name}: {'; '.join(problems)}")
+        warn(f"checkpoint {checkpoint} is damaged ({'; '.join(problems)}); skipping it")
+    if rejected:
+        raise ConfigError(
+            f"no usable checkpoint in {root}, every one is damaged: " + " | ".join(rejected)
+        )
+    return None
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """What is wrong with ``checkpoint`` (empty when it is whole): each file its manifest
+    lists must be there with the recorded size and SHA-256. Without a manifest (written
+    before turnrl recorded one) only its structure is checked (``_structure_problems``)."""
+    manifest = checkpoint / MANIFEST
+    if not manifest.is_file():
+        return _structure_problems(checkpoint)
+    try:
+        files = {
+            str(name): (int(record["bytes"]), str(record["sha256"]))
+            for name, record in json.loads(manifest.read_text())["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return [f"{MANIFEST} is unreadable"]
+    problems = []
+    for name, (size, _) in files.items():
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} has {path.stat().st_size} bytes, not {size} (truncated?)")
+    if problems:  # hashing the rest would tell nothing more
+        return problems
+    return [
+        f"{name} does not match its SHA-256 (changed after it was written)"
+        for name, (_, digest) in files.items()
+        if _sha256(checkpoint / name) != digest
+    ]
+
+
+def _structure_problems(checkpoint: Path) -> list[str]:
+    """For a checkpoint without a manifest: the files a resume loads are there and none is
+    cut short (a zip directory at the end of each ``.pt`` file, as torch.save writes them;
+    a ``.safetensors`` file as long as its header says; every shard of a sharded model)."""
+    problems = []
+    try:
+        int(json.loads((checkpoint / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        problems.append("state.json is missing or unreadable")
+    model = checkpoint / "model"
+    if not any((model / name).is_file() for name in ("config.json", "adapter_config.json")):
+        problems.append("model/ has no config.json or adapter_config.json")
+    if not (model / "tokenizer_config.json").is_file():
+        problems.append("model/tokenizer_config.json is missing")
+    weights = [*model.glob("*.safetensors"), *model.glob("*.bin")]
+    for index in model.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            problems.append(f"model/{index.name} is unreadable")
+            continue
+        problems += [f"model/{s} is missing" for s in sorted(shards) if not (model / s).is_file()]
+    if not weights:
+        problems.append("model/ holds no weights")
+    for path in sorted(checkpoint.rglob("*")):
+        name = path.relative_to(checkpoint).as_posix()
+        if path.suffix == ".pt" and not zipfile.is_zipfile(path):
+            problems.append(f"{name} is cut short or not a torch.save file")
+        elif path.suffix == ".safetensors" and not _safetensors_whole(path):
+            problems.append(f"{name} is shorter or longer than its header says")
+    if not (checkpoint / "optimizer.pt").is_file():
+        problems.append("optimizer.pt is missing")
+    return problems
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Whether ``path`` is exactly as long as its header says: an 8-byte little-endian
+    header length, the JSON header, then the tensors' bytes up to the largest end offset."""
+    try:
+        with path.open("rb") as f:
+            length = int(struct.unpack("<Q", f.read(8))[0])
+            header = json.loads(f.read(length))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
+        return False
+    return path.stat().st_size == 8 + length + max(ends, default=0)
+
+
+def checkpoint_state(checkpoint: Path) -> TrainerState:
+    """The trainer state ``checkpoint`` holds (its ``state.json``)."""
+    data = json.loads((checkpoint / "state.json").read_text())
+    return TrainerState(step=int(data["step"]), policy_version=int(data["policy_version"]))
 
 
 def load_extra(checkpoint: Path) -> dict[str, Any] | None:
@@ -93,14 +231,42 @@ def load_extra(checkpoint: Path) -> dict[str, Any] | None:
 
 def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
-    data = json.loads((checkpoint / "state.json").read_text())
-    return TrainerState(step=int(data["step"]), policy_version=int(data["policy_version"]))
+    return checkpoint_state(checkpoint)
 
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _sha256(path: Path, sync: bool = False) -> str:
+    """The file's SHA-256 (hex); with ``sync``, fsync'd too (Linux flushes a file's dirty
+    pages through any descriptor of it)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make renames into ``directory`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def export_model(source: Path, out: Path, step: int | None = None) -> Path:
@@ -113,12 +279,15 @@ def export_model(source: Path, out: Path, step: int | None = None) -> Path:
     from turnrl.models.loading import load_model, load_tokenizer
 
     source = Path(source)
-    if step is not None:
-        checkpoint: Path | None = source / "checkpoints" / f"step_{step:06d}"
-    elif (source / "model").is_dir():
-        checkpoint = source
+    checkpoint: Path | None
+    if step is not None or (source / "model").is_dir():
+        named = source / "checkpoints" / f"step_{step:06d}" if step is not None else source
+        problems = checkpoint_problems(named) if (named / MANIFEST).is_file() else []
+        if problems:
+            raise ConfigError(f"{named} is damaged: {'; '.join(problems)}")
+        checkpoint = named
     else:
-        checkpoint = latest_checkpoint(source)
+        checkpoint = latest_checkpoint(source)  # the newest whole one, checked
     if checkpoint is None or not (checkpoint / "model").is_dir():
         where = checkpoint if checkpoint is not None else source / "checkpoints" / "latest"
         raise ConfigError(

@@ -36,6 +36,7 @@ from turnrl.rollout.failures import check_failures
 from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
 from turnrl.trainer.checkpoint import (
     TrainerState,
+    checkpoint_state,
     latest_checkpoint,
     load_extra,
     load_trainer_state,
@@ -45,7 +46,7 @@ from turnrl.trainer.checkpoint import (
 from turnrl.trainer.config import Config, inert_settings, resolved
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
-from turnrl.trainer.sinks import MetricSinks
+from turnrl.trainer.sinks import MetricSinks, trim_run_files
 from turnrl.trainer.step import Trainer, train_step
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 
@@ -86,7 +87,14 @@ def train(
     for message in inert_settings(config):
         _say(f"warning: {message}", progress)
     spec = env if env is not None else make_env_spec(config.env.name, **config.env.options)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    checkpoint = None
+    if resume:  # the newest whole checkpoint; what was written after it is written again
+        checkpoint = latest_checkpoint(run_dir, warn=lambda m: _say(f"warning: {m}", progress))
+        until = checkpoint_state(checkpoint).step if checkpoint is not None else -1
+        since = f"after step {until}" if until >= 0 else "from the start (no checkpoint)"
+        for name, count in trim_run_files(run_dir, until).items():
+            _say(f"resuming {since}: dropped {count} record(s) of {name} written later "
+                 "or torn", progress)  # fmt: skip
     result = RunResult(run_dir)
     with (
         (run_dir / "metrics.jsonl").open("a") as metrics_out,
@@ -175,8 +183,9 @@ def _start(
     r = config.rollout
     sampling = SamplingParams(r.temperature, r.top_p, stop_token_ids(tokenizer))
     limits = EpisodeLimits(
-        r.max_turns, r.max_tokens_per_turn, r.max_episode_tokens, r.max_context_tokens
-    )
+        r.max_turns, r.max_tokens_per_turn, r.max_episode_tokens, r.max_context_tokens,
+        timeout_s=r.episode_timeout_s or None,
+    )  # fmt: skip
     renderer = ChatRenderer(tokenizer)
     first: Row = {"step": 0}
     if checkpoint is None and config.warmup.steps > 0:
