@@ -511,3 +511,40 @@ def test_train_takes_an_agent_with_its_tasks_and_reward(tmp_path: Path) -> None:
     assert "buggy" in str(failed.value)  # the user's traceback, naming their function
     with pytest.raises(turnrl.ConfigError, match="not both"):
         turnrl.train(env=probe, agent=react_agent, tasks=probe.task, reward=exact)
+
+
+def test_thousands_of_agents_wait_their_turn(tokenizer: Any) -> None:
+    """As in the warm-up (thousands of demonstrations at once): at most max_concurrent
+    agents run at a time, the rest wait, and none is lost or fails to connect."""
+    running = [0, 0]  # now, most
+
+    async def counted(task: Task, client: openai.AsyncOpenAI) -> str:
+        running[0] += 1
+        running[1] = max(running)
+        try:
+            return await react_agent(task, client)
+        finally:
+            running[0] -= 1
+
+    environment = AgentEnvironment(counted, PROBE.task, exact, max_concurrent=32)
+    spec = GroupSpec(
+        group_size=4,
+        limits=EpisodeLimits(max_turns=6, timeout_s=120),
+        sampling=SamplingParams(stop_token_ids=stop_token_ids(tokenizer)),
+        seed=0,
+    )
+    tasks = [environment.task(i) for i in range(128)]
+    try:
+        groups = asyncio.run(
+            collect_groups(
+                tasks, environment.make_env, ReadingBackend(tokenizer, oracle),
+                ChatRenderer(tokenizer), spec,
+            )
+        )  # fmt: skip
+    finally:
+        environment.close()
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 512
+    assert [t.error for t in trajs] == [None] * 512
+    assert all(t.success for t in trajs)
+    assert running[1] == 32

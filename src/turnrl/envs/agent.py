@@ -35,8 +35,10 @@ import functools
 import hashlib
 import inspect
 import json
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.custom import Environment
@@ -69,14 +71,14 @@ class AgentEnv:
         endpoint: PolicyEndpoint,
         format: Format,
         *,
-        executor: concurrent.futures.Executor | None = None,
+        pool: AgentPool | None = None,
         grace_s: float = 5.0,
     ) -> None:
         self.agent = agent
         self.reward = reward
         self.endpoint = endpoint
         self.format = format
-        self.executor = executor
+        self.pool = pool or AgentPool(endpoint)
         self.grace_s = grace_s
         self._kind = agent_kind(agent)
         self.task: Task | None = None
@@ -91,7 +93,7 @@ class AgentEnv:
         self._turn: Turn | None = None
         self._turns = 0
         self._transcript: list[dict[str, Any]] = []
-        self._clients: list[Any] = []
+        self._entered = False
 
     # -- the Env protocol ------------------------------------------------------------------
 
@@ -103,6 +105,8 @@ class AgentEnv:
 
     async def reset(self, task: Task, seed: int) -> list[Message]:
         self.task = task
+        await self.pool.enter()  # a bounded number of agents run at once
+        self._entered = True
         self.inbox = self.endpoint.open_episode(asyncio.get_running_loop())
         self._agent = asyncio.ensure_future(self._run_agent(task, self.inbox.base_url))
         call = await self._next_call()
@@ -169,30 +173,25 @@ class AgentEnv:
                 self._agent.cancel()
         if self._agent is not None and self._agent.done() and not self._agent.cancelled():
             self._agent.exception()  # retrieved: a failure after the end is not news
-        for client in self._clients:
-            await _close_client(client)
-        self._clients = []
+        if self._entered:
+            self._entered = False
+            await self.pool.leave()
 
     # -- the agent -------------------------------------------------------------------------
 
     async def _run_agent(self, task: Task, base_url: str) -> Any:
         given = task.metadata.get(AGENT_TASK, task)
         loop = asyncio.get_running_loop()
-        key = self.endpoint.api_key or "turnrl"  # the SDK needs one even where none is checked
+        key = self.pool.api_key()
         if self._kind == "base_url":
             if _is_async(self.agent):
                 return await self.agent(given, base_url=base_url, api_key=key)
             call = functools.partial(self.agent, given, base_url=base_url, api_key=key)
-            return await loop.run_in_executor(self.executor, call)
-        import openai
-
+            return await loop.run_in_executor(self.pool.executor, call)
         if self._kind == "async_client":
-            client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
-            self._clients.append(client)
-            return await self.agent(given, client)
-        sync_client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
-        self._clients.append(sync_client)
-        return await loop.run_in_executor(self.executor, self.agent, given, sync_client)
+            return await self.agent(given, self.pool.async_client(base_url))
+        client = self.pool.sync_client(base_url)
+        return await loop.run_in_executor(self.pool.executor, self.agent, given, client)
 
     async def _next_call(self) -> AgentCall | None:
         """The agent's next request, or None when the agent has returned (or failed)."""
@@ -346,6 +345,81 @@ class AgentEnv:
         }
 
 
+class AgentPool:
+    """What the episodes of one environment share: a bound on the agents running at once,
+    the threads of sync agents, and the HTTP clients (an openai client takes about 30 ms to
+    build, too slow to make one per episode for thousands; each episode gets a view of a
+    shared one with its own base URL). Async clients belong to one event loop: one per loop,
+    closed when that loop's last episode ends."""
+
+    def __init__(
+        self, endpoint: PolicyEndpoint, *, max_concurrent: int = 256, max_threads: int = 256
+    ) -> None:
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1")
+        self.endpoint = endpoint
+        self.max_concurrent = max_concurrent
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_threads, "turnrl-agent")
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopShare] = {}
+        self._sync: Any = None
+        self._lock = threading.Lock()
+
+    async def enter(self) -> None:
+        share = self._share()
+        share.users += 1
+        await share.slots.acquire()
+
+    async def leave(self) -> None:
+        loop = asyncio.get_running_loop()
+        share = self._loops[loop]
+        share.slots.release()
+        share.users -= 1
+        if share.users == 0:
+            del self._loops[loop]
+            if share.client is not None:
+                await _close_client(share.client)
+
+    def async_client(self, base_url: str) -> Any:
+        share = self._share()
+        if share.client is None:
+            import openai
+
+            share.client = openai.AsyncOpenAI(
+                base_url=base_url, api_key=self.api_key(), max_retries=0
+            )
+        return share.client.with_options(base_url=base_url)
+
+    def sync_client(self, base_url: str) -> Any:
+        with self._lock:
+            if self._sync is None:
+                import openai
+
+                self._sync = openai.OpenAI(base_url=base_url, api_key=self.api_key(), max_retries=0)
+        return self._sync.with_options(base_url=base_url)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    def _share(self) -> _LoopShare:
+        loop = asyncio.get_running_loop()
+        if loop not in self._loops:
+            self._loops[loop] = _LoopShare(asyncio.Semaphore(self.max_concurrent))
+        return self._loops[loop]
+
+    def api_key(self) -> str:
+        return self.endpoint.api_key or "turnrl"  # the SDK needs one even where none is checked
+
+
+@dataclass
+class _LoopShare:
+    slots: asyncio.Semaphore
+    users: int = 0
+    client: Any = None
+
+
 AGENT_TASK = "agent_task"
 """``Task.metadata`` key holding a task given as any object (the agent gets that object)."""
 
@@ -360,10 +434,13 @@ class AgentEnvironment(Environment):
     quick-start and Qwen-style templates, ``llama3_json``, ``mistral``). ``endpoint``: a
     ``PolicyEndpoint`` to serve on (default: loopback, a free port). ``demonstrate`` and
     ``corpus_text``: as for ``Environment`` (by default both are derived, the derived
-    demonstration playing one call through the agent itself).
+    demonstration playing one call through the agent itself). At most ``max_concurrent``
+    agents run at once (the rest wait their turn: the warm-up plays thousands of
+    demonstrations); sync agents run on up to ``max_threads`` threads.
     """
 
     endpoint: PolicyEndpoint
+    pool: AgentPool
 
     def __init__(
         self,
@@ -377,6 +454,7 @@ class AgentEnvironment(Environment):
         name: str = "agent",
         demonstrate: Callable[[Task, Any], list[str]] | None = None,
         corpus_text: Sequence[str] = (),
+        max_concurrent: int = 256,
         max_threads: int = 256,
     ) -> None:
         agent_kind(agent)  # a wrong signature fails here, before any episode
@@ -384,10 +462,10 @@ class AgentEnvironment(Environment):
             raise TypeError(f"reward must be a function (task, answer, transcript), got {reward!r}")
         fmt = get_format(format) if isinstance(format, str) else format
         served = endpoint or PolicyEndpoint()
-        executor = concurrent.futures.ThreadPoolExecutor(max_threads, "turnrl-agent")
+        pool = AgentPool(served, max_concurrent=max_concurrent, max_threads=max_threads)
 
         def make() -> AgentEnv:
-            return AgentEnv(agent, reward, served, fmt, executor=executor)
+            return AgentEnv(agent, reward, served, fmt, pool=pool)
 
         super().__init__(
             tasks=as_tasks(tasks, "train"),
@@ -398,9 +476,11 @@ class AgentEnvironment(Environment):
             corpus_text=tuple(corpus_text),
         )
         object.__setattr__(self, "endpoint", served)  # a frozen dataclass's fields are set
+        object.__setattr__(self, "pool", pool)
 
     def close(self) -> None:
-        """Stop the endpoint."""
+        """Stop the endpoint and the agents' shared clients and threads."""
+        self.pool.close()
         self.endpoint.close()
 
 

@@ -167,7 +167,7 @@ class PolicyEndpoint:
         async def serve() -> int:
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()
-            site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+            site = web.TCPSite(runner, self.host, self.port, reuse_address=True, backlog=4096)
             await site.start()
             self._runner = runner
             return int(runner.addresses[0][1])
