@@ -43,14 +43,21 @@ LEARNING = ["max_minutes=0", "eval.every=10", "eval.num_tasks=64", "save_every=1
 
 
 def environments() -> tuple[Any, Any]:
-    """The probe in process, and the example's agent on the same tasks."""
+    """The probe in process, and the example's agent on the same tasks, with the probe's
+    warm-up and the probe's tokenizer text: both paths then train the same tiny model from
+    the same start, so their curves compare directly."""
     example = runpy.run_path(str(EXAMPLE))
     from turnrl import AgentEnvironment
 
     probe = example["PROBE"]
-    agent = AgentEnvironment(
+
+    class ProbeAgent(AgentEnvironment):
+        def corpus(self) -> list[str]:
+            return list(probe.corpus())
+
+    agent = ProbeAgent(
         example["agent"], probe.task, example["reward"], name="existing_agent",
-        demonstrate=probe.demonstration, corpus_text=probe.corpus(),
+        demonstrate=probe.demonstration,
     )  # fmt: skip
     return probe, agent
 
@@ -157,7 +164,7 @@ def main() -> None:
     parser.add_argument("--learning-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=2)
-    smoke = {"overhead_steps": 3, "learning_steps": 2}
+    smoke = {"overhead_steps": 2, "learning_steps": 1}
     args = parse_args(parser, "endpoint", smoke, runs=True)
     extra = [f"threads={args.threads}", f"seed={args.seed}"]
     if args.smoke:

@@ -9,8 +9,9 @@ wall-clock budget, and the held-out success curve says how far above its start i
 
 A run is ``RECIPE[,KEY=VALUE...]``: the recipe as shipped (recipes/RECIPE.toml) with those
 overrides, which the results record; or ``examples/NAME.py[,KEY=VALUE...]``: a user's
-environment as the example defines it (``make_task``, ``make_env``, its ``RECIPE``), built
-through the public API with its derived warm-up and corpus. Writes benchmarks/results/env_learning.json and .md;
+environment as the example defines it (``make_task``, ``make_env``, its ``RECIPE`` and
+``demonstrate`` if it has them), built through the public API (the warm-up derived where
+it gives none, the corpus derived). Writes benchmarks/results/env_learning.json and .md;
 runs already there that this invocation did not make are kept (each records its own date
 and machine), so one recipe can be re-run alone. Run directories go to benchmarks/runs
 (``--out``, ``--runs-dir``; ``--smoke``: a temporary directory).
@@ -93,7 +94,10 @@ def load_run(name: str, overrides: list[str]) -> tuple[Any, Any]:
     if not name.endswith(".py"):
         return load_config(name, overrides), None
     example = runpy.run_path(str(ROOT.parent / name))
-    env = Environment(example["make_task"], example["make_env"], name=Path(name).stem)
+    env = Environment(
+        example["make_task"], example["make_env"], name=Path(name).stem,
+        demonstrate=example.get("demonstrate"),
+    )  # fmt: skip
     return load_config(example.get("RECIPE", "grpo"), overrides), env
 
 

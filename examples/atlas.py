@@ -9,7 +9,7 @@ import random
 import sys
 
 import turnrl
-from turnrl import Environment, Task, ToolEnv, get_format
+from turnrl import Environment, Task, ToolCall, ToolEnv, get_format
 
 RECIPE = "quickstart"  # the tiny model, GiGPO's turn-level credit, a KL anchor
 COUNTRIES = ["Norland", "Vesta"]
@@ -33,10 +33,17 @@ def tools(task: Task) -> list:
     return [capital]
 
 
+def demonstrate(task: Task, rng: random.Random) -> list[str]:
+    """The warm-up's turns: the format only (a random country, a random city)."""
+    call = ToolCall("capital", {"country": rng.choice(COUNTRIES)})
+    return [get_format("hermes").render_call(call), rng.choice(CITIES)]
+
+
 def make_env() -> ToolEnv:
     verify = lambda task, answer: float(answer.strip() == task.answer)  # noqa: E731
     return ToolEnv(tools, get_format("hermes"), verify, max_tool_calls=2)
 
 
 if __name__ == "__main__":  # python examples/atlas.py [key=value ...]
-    turnrl.train(RECIPE, env=Environment(make_task, make_env), overrides=sys.argv[1:])
+    env = Environment(make_task, make_env, demonstrate=demonstrate)
+    turnrl.train(RECIPE, env=env, overrides=sys.argv[1:])

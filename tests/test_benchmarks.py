@@ -144,6 +144,26 @@ def reliability(data: dict[str, Any], tmp: Path) -> None:
     assert all(fell_back["files_one_record_per_step"].values())
     assert none_left["returncode"] == 2
     assert "no usable checkpoint" in none_left["named"][-1]
+    load = data["load"]
+    assert (load["episodes_in"], load["episodes_out"], load["episodes_lost"]) == (100, 100, 0)
+    assert (load["hung"], load["num_records_wrong"], load["tool_calls_unrecorded"]) == ([], 0, 0)
+    assert set(load["tool_errors"]) <= {"RuntimeError", "timeout"}
+    assert load["peak_rss_mb"] > 0
+    fuzz = data["fuzz"]
+    assert len(fuzz) == 13
+    assert all(r["inputs"] == 100 for r in fuzz.values())
+    assert all(r["uncaught"] == 0 for name, r in fuzz.items() if name != "run files: read_rows")
+    for case in data["disk"]:  # a tmpfs needs root; without one the row says why
+        if case["mounted"]:
+            assert case["resume_returncode"] == 0
+            assert case["resumed_from"] == 2
+            assert case["metrics_equal"]
+            assert all(not problems for problems in case["checkpoint_problems"].values())
+        else:
+            assert case["why"]
+    if data["disk"][0]["mounted"]:
+        assert data["disk"][0]["returncode"] == 2
+        assert "could not write checkpoint step_000004" in data["disk"][0]["message"]
 
 
 def rollout(data: dict[str, Any], tmp: Path) -> None:

@@ -13,11 +13,17 @@ from turnrl.errors import ConfigError
 
 def read_jsonl_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
     """``(line number, value)`` for each non-blank line of ``path``."""
-    with Path(path).open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with Path(path).open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{path}:{n}: not UTF-8 ({exc.reason})") from None
             if not line.strip():
                 continue
             try:
                 yield n, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            except (ValueError, RecursionError) as exc:  # a 5,000-digit number; deep nesting
+                raise ConfigError(f"{path}:{n}: not readable JSON ({exc})") from None

@@ -356,7 +356,7 @@ def _parameters_schema(fn: Callable[..., Any], arg_docs: Mapping[str, str]) -> J
     try:
         hints = typing.get_type_hints(fn)
         signature = inspect.signature(fn)
-    except (NameError, TypeError, ValueError) as exc:
+    except Exception as exc:  # a string annotation that is no expression: SyntaxError, ...
         raise ToolDefinitionError(f"{label}: cannot read the signature ({exc})") from exc
     properties: dict[str, JsonSchema] = {}
     required: list[str] = []
@@ -449,7 +449,8 @@ def _json_type(value: Any) -> str:
             return name
     if isinstance(value, (list, tuple)):
         return "array"
-    return "object" if isinstance(value, Mapping) else type(value).__name__
+    # a Python type's own name could be a JSON one ("object"): keep them apart
+    return "object" if isinstance(value, Mapping) else f"Python {type(value).__name__}"
 
 
 def _expected(schema: JsonSchema) -> str:
@@ -469,4 +470,6 @@ def _describe(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
         text = repr(value)
+    except RecursionError:  # repr would recurse as deep
+        return f"{kind} nested too deeply to show"
     return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"

@@ -36,13 +36,23 @@ from typing import Any
 
 import torch
 
-from turnrl.errors import ConfigError
+from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models.lora import save_model
 
 MANIFEST = "manifest.json"
 """Each file of a checkpoint with its size and SHA-256, written last."""
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(TurnrlError):
+    """A checkpoint could not be written (a full disk, an I/O error): the run stops, the
+    checkpoints before it stay whole, and ``--resume`` continues from the newest."""
+
+
+class RunWriteError(TurnrlError):
+    """The run's files (metrics, trajectories, alarms) could not be written: the disk is
+    full. The run stops; its checkpoints stay whole and ``--resume`` continues."""
 
 
 @dataclass(frozen=True)
@@ -64,26 +74,60 @@ def save_checkpoint(
     """Write ``checkpoints/step_N`` atomically; ``extra`` (e.g. the critic's state) goes to
     ``extra.pt``."""
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-step_{state.step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp / "model")  # only the adapters of a LoRA model
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    if extra is not None:
-        torch.save(extra, tmp / "extra.pt")
-    (tmp / "state.json").write_text(json.dumps(state.__dict__))
-    _write_manifest(tmp)
-    if final.exists():  # moved aside first: a half-deleted checkpoint would look whole
-        old = root / f".old-{final.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / "latest", final.name)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(model, tmp / "model")  # only the adapters of a LoRA model
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if extra is not None:
+            torch.save(extra, tmp / "extra.pt")
+        (tmp / "state.json").write_text(json.dumps(state.__dict__))
+        _write_manifest(tmp)
+        if final.exists():  # moved aside first: a half-deleted checkpoint would look whole
+            old = root / f".old-{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / "latest", final.name)
+    except Exception as exc:  # torch and safetensors wrap OSError in their own errors
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, and no half checkpoint
+        raise CheckpointWriteError(_write_failure(root, final, exc)) from exc
     return final
+
+
+def _write_failure(root: Path, final: Path, exc: Exception) -> str:
+    """What went wrong writing checkpoint ``final`` into ``root``: the error, the disk's
+    free space and mount point, the checkpoint a resume will use."""
+    name = final.name
+    before = sorted(p.name for p in root.glob("step_*") if p != final) if root.is_dir() else []
+    kept = f"{before[-1]}, the one before, is untouched" if before else "there is no earlier one"
+    done = "it is whole" if final.is_dir() and not checkpoint_problems(final) else "none of it kept"
+    return (
+        f"could not write checkpoint {name} in {root}: {type(exc).__name__}: {exc}. "
+        f"{disk_report(root)} Of {name}: {done}; {kept}. Free space (or fix the disk), then "
+        "continue with --resume."
+    )
+
+
+def disk_report(path: Path) -> str:
+    """ "The disk holding it (mounted at M) has F MiB free of T MiB." for ``path``."""
+    where = path.resolve()
+    while not where.exists():
+        where = where.parent
+    mount = where
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        usage = shutil.disk_usage(where)
+        space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+    except OSError:
+        space = "free space unknown"
+    return f"The disk holding it (mounted at {mount}) has {space}."
 
 
 def _write_manifest(checkpoint: Path) -> None:

@@ -748,8 +748,8 @@ def read_recipe(
         chain = " -> ".join(p.stem for p in (*_seen, path.resolve()))
         raise ConfigError(f"recipe bases form a cycle: {chain}")
     try:
-        data: dict[str, Any] = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
+        data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     upgrade(data, renamed)
     base = data.pop("base", None)
@@ -775,7 +775,7 @@ def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
 def _parse_value(raw: str) -> Any:
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a 5,000-digit number, deep nesting
         low = raw.lower()
         return {"true": True, "false": False}.get(low, raw)
 
@@ -796,6 +796,8 @@ def build(cls: type[Any], data: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     if cls is EnvConfig:  # environment options are free-form here, checked by the env
+        if not isinstance(data.get("options", {}), dict):
+            raise ConfigError(f"{where}.options must be a table, got {data['options']!r}")
         options = dict(data.get("options", {}))
         options.update({k: v for k, v in data.items() if k not in ("name", "options")})
         data = {"name": data.get("name", EnvConfig.name), "options": options}

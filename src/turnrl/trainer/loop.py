@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
 import time
@@ -35,8 +36,10 @@ from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.rollout.failures import check_failures
 from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
 from turnrl.trainer.checkpoint import (
+    RunWriteError,
     TrainerState,
     checkpoint_state,
+    disk_report,
     latest_checkpoint,
     load_extra,
     load_trainer_state,
@@ -95,6 +98,29 @@ def train(
         for name, count in trim_run_files(run_dir, until).items():
             _say(f"resuming {since}: dropped {count} record(s) of {name} written later "
                  "or torn", progress)  # fmt: skip
+    try:
+        return _run(config, run_dir, spec, checkpoint, progress, on_row)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        newest = latest_checkpoint(run_dir)
+        kept = f"the newest checkpoint, {newest.name}, is whole" if newest else "no checkpoint"
+        raise RunWriteError(
+            f"the disk is full while writing the run in {run_dir}: {exc}. "
+            f"{disk_report(run_dir)} {kept.capitalize()}; free space, then continue with "
+            "--resume."
+        ) from exc
+
+
+def _run(
+    config: Config,
+    run_dir: Path,
+    spec: EnvSpec,
+    checkpoint: Path | None,
+    progress: bool,
+    on_row: Callable[[Row], None] | None,
+) -> RunResult:
+    """The run itself, its files open: start (or resume), evaluate, train step by step."""
     result = RunResult(run_dir)
     with (
         (run_dir / "metrics.jsonl").open("a") as metrics_out,

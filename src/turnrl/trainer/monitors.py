@@ -293,12 +293,16 @@ class Monitor:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl; a torn last line (a killed run) is skipped."""
+    """The rows of a metrics.jsonl; a line that does not read as a JSON row (a torn last
+    line of a killed run, bytes that are not UTF-8, a number or nesting JSON refuses) is
+    skipped, never raised: the monitors and the report read what is whole."""
     rows = []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for raw in path.read_bytes().splitlines():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError too
                 continue
+            if isinstance(row, dict):
+                rows.append(row)
     return rows

@@ -193,7 +193,12 @@ def _jsonl_records(path: Path) -> tuple[list[Span], int]:
             end = start + len(line)
             try:
                 step = json.loads(line)["step"] if line.endswith(b"\n") else None
-            except (ValueError, TypeError, KeyError):
+            except (
+                ValueError,
+                TypeError,
+                KeyError,
+                RecursionError,
+            ):  # RecursionError: deep nesting
                 step = None
             if isinstance(step, int) and not isinstance(step, bool):
                 spans.append((start, end, step))
