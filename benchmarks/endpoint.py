@@ -5,11 +5,15 @@ that the agent learns.
     python benchmarks/endpoint.py --sections overhead
     python benchmarks/endpoint.py --smoke         # the same code on tiny settings
 
-Overhead: the same training (the quick-start, a short warm-up, no evaluation) twice in
-one process, once with the probe's own ``ToolEnv`` in process and once with
-``examples/existing_agent.py``'s agent (the `openai` SDK over loopback HTTP, one agent per
-episode); the mean step and rollout times of steps 2.. are compared (target: the endpoint
-at most 1.3x the in-process step time). Learning: the quick-start through the endpoint,
+Overhead: the same training (the quick-start, no evaluation) twice in one process, once
+with the probe's own ``ToolEnv`` in process and once with ``examples/existing_agent.py``'s
+agent (the `openai` SDK over loopback HTTP, one agent per episode); the mean step and
+rollout times of steps 2.. are compared (target: the endpoint at most 1.3x the in-process
+step time). The two environments differ where the model errs: ``ToolEnv`` answers a
+malformed call with an error and the episode goes on, the agent takes it as its answer.
+So the episodes are the same only for a model that does not err: ``--overhead-model``
+(e.g. the learning section's last checkpoint) starts both runs from it, without warm-up;
+without it, both start from a short warm-up and their episodes differ. Learning: the quick-start through the endpoint,
 from its format-only warm-up, with held-out success every 10 steps (the target is >= 0.8).
 Writes benchmarks/results/endpoint.json and .md; a section not run keeps its figures
 there (each section records the date and machine it ran on).
@@ -67,17 +71,22 @@ def run(env: Any, overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
     return train("quickstart", env=env, out=run_dir, overrides=overrides, progress=False).rows
 
 
-def overhead(steps: int, extra: list[str], runs: Path) -> dict[str, Any]:
+def overhead(steps: int, extra: list[str], runs: Path, model: Path | None) -> dict[str, Any]:
     probe, agent = environments()
-    out: dict[str, Any] = {"steps": steps}
+    named = str(model) if model else "the quick-start's model after a 100-step warm-up"
+    out: dict[str, Any] = {"steps": steps, "model": named}
+    start = [f"model.path={model}", "warmup.steps=0"] if model else []
     try:
         for name, env in (("in_process", probe), ("endpoint", agent)):
-            rows = run(env, [*OVERHEAD, *extra, f"steps={steps}"], runs / f"endpoint-{name}")
+            overrides = [*OVERHEAD, *start, *extra, f"steps={steps}"]
+            rows = run(env, overrides, runs / f"endpoint-{name}")
             timed = [r for r in rows if "perf/step_s" in r and r["step"] >= 2]
             out[name] = {
                 "step_s": statistics.mean(r["perf/step_s"] for r in timed),
                 "rollout_s": statistics.mean(r["perf/rollout_s"] for r in timed),
                 "tool_calls_mean": statistics.mean(r["rollout/tool_calls_mean"] for r in timed),
+                "turns_mean": statistics.mean(r["rollout/turns_mean"] for r in timed),
+                "success_mean": statistics.mean(r["rollout/success_mean"] for r in timed),
                 "errors": sum(r["rollout/errors"] for r in timed),
                 "steps_timed": len(timed),
             }
@@ -123,14 +132,19 @@ def markdown(data: dict[str, Any]) -> list[str]:
             f"## Overhead ({o['in_process']['steps_timed']} timed steps each; {o['date']}, "
             f"{o['threads']} thread(s))",
             "",
-            "| path | step s | rollout s | tool calls / episode | errors |",
-            "|---|---|---|---|---|",
+            f"Start: {o['model']}"
+            + (f"; overrides: {' '.join(o['set'])}" if o.get("set") else "")
+            + ".",
+            "",
+            "| path | step s | rollout s | turns / episode | tool calls / episode | success | "
+            "errors |",
+            "|---|---|---|---|---|---|---|",
         ]
         for name in ("in_process", "endpoint"):
             r = o[name]
             lines.append(
-                f"| {name} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | "
-                f"{r['tool_calls_mean']:.2f} | {r['errors']:.0f} |"
+                f"| {name} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['turns_mean']:.2f} | "
+                f"{r['tool_calls_mean']:.2f} | {r['success_mean']:.2f} | {r['errors']:.0f} |"
             )
         lines += [
             "",
@@ -161,12 +175,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", default="overhead,learning")
     parser.add_argument("--overhead-steps", type=int, default=10)
+    parser.add_argument("--overhead-model", type=Path, default=None, help="start both from it")
     parser.add_argument("--learning-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more overrides for both paths (e.g. a larger model.hidden_size)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=2)
     smoke = {"overhead_steps": 2, "learning_steps": 1}
     args = parse_args(parser, "endpoint", smoke, runs=True)
-    extra = [f"threads={args.threads}", f"seed={args.seed}"]
+    extra = [f"threads={args.threads}", f"seed={args.seed}", *args.set]
     if args.smoke:
         extra += [o for o in TINY_RUN if not o.startswith(("steps=", "eval."))]
     runs = args.runs_dir
@@ -182,9 +199,10 @@ def main() -> None:
     if previous.is_file() and not args.smoke:  # a section not re-run keeps its last figures
         kept = json.loads(previous.read_text())
         data.update({k: kept[k] for k in ("overhead", "learning") if k in kept})
-    stamp = {"date": data["date"], "threads": args.threads, "seed": args.seed}
+    stamp = {"date": data["date"], "threads": args.threads, "seed": args.seed, "set": args.set}
     if "overhead" in sections:
-        data["overhead"] = {**overhead(args.overhead_steps, extra, runs), **stamp}
+        started = args.overhead_model.resolve() if args.overhead_model else None
+        data["overhead"] = {**overhead(args.overhead_steps, extra, runs, started), **stamp}
     if "learning" in sections:
         data["learning"] = {**learning(args.learning_steps, extra, runs), **stamp}
     lines = markdown(data)
