@@ -3,7 +3,7 @@ main path works here.
 
 It reports versions (Python, turnrl, torch and the libraries it builds on), devices (CPU
 cores, CUDA GPUs), the code sandbox (bubblewrap, or the rlimit fallback and why), and which
-optional extras are importable (vllm, ray, wandb, mcp). The self-check (about 10 seconds
+optional extras are importable (vllm, lora, agents, ray, wandb, mcp). The self-check (about 10 seconds
 on a laptop CPU) runs the real pieces on a throwaway tiny model: a two-step RL run on the
 secret-lookup probe (model build, warm-up, rollouts, learner steps, checkpoint, report),
 one call in the sandboxed interpreter, and one BM25 search. Each line says ok or FAIL with
@@ -27,7 +27,10 @@ from typing import Any
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "bm25s",
             "tensorboardX")  # fmt: skip
-EXTRAS = {"vllm": "vllm", "lora": "peft", "ray": "ray", "wandb": "wandb", "mcp": "mcp"}
+EXTRAS = {
+    "vllm": "vllm", "lora": "peft", "agents": "aiohttp", "ray": "ray", "wandb": "wandb",
+    "mcp": "mcp",
+}  # fmt: skip
 SELF_CHECK_RUN = [  # two RL steps on the probe with the smallest model: seconds on a CPU
     "steps=2", "save_every=2", "max_minutes=0", "model.hidden_size=32", "model.num_layers=1",
     "model.num_heads=2", "model.vocab_size=512", "model.echo_steps=0",

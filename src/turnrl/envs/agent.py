@@ -382,9 +382,7 @@ class AgentPool:
     def async_client(self, base_url: str) -> Any:
         share = self._share()
         if share.client is None:
-            import openai
-
-            share.client = openai.AsyncOpenAI(
+            share.client = _openai().AsyncOpenAI(
                 base_url=base_url, api_key=self.api_key(), max_retries=0
             )
         return share.client.with_options(base_url=base_url)
@@ -392,9 +390,9 @@ class AgentPool:
     def sync_client(self, base_url: str) -> Any:
         with self._lock:
             if self._sync is None:
-                import openai
-
-                self._sync = openai.OpenAI(base_url=base_url, api_key=self.api_key(), max_retries=0)
+                self._sync = _openai().OpenAI(
+                    base_url=base_url, api_key=self.api_key(), max_retries=0
+                )
         return self._sync.with_options(base_url=base_url)
 
     def close(self) -> None:
@@ -565,6 +563,14 @@ def _arguments(raw: Any) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {"_raw": raw}
     return dict(value) if isinstance(value, dict) else {"_raw": raw}
+
+
+def _openai() -> Any:
+    try:
+        import openai
+    except ImportError as exc:  # pragma: no cover - openai is in the lock
+        raise ImportError("agents get an openai client: pip install 'turnrl[agents]'") from exc
+    return openai
 
 
 async def _close_client(client: Any) -> None:
