@@ -257,6 +257,43 @@ SMALL_VLLM_RUN = [
 ]  # fmt: skip
 
 
+def test_an_existing_agent_samples_from_vllm_through_the_endpoint(
+    engine: VLLMBackend, vllm_model_dir: Path, caller: Any
+) -> None:
+    """examples/existing_agent.py's agent (the openai SDK over loopback HTTP) on the vLLM
+    backend: its calls come back as tool_calls, and every training sample's log-probs are
+    the learner's, as in process."""
+    import runpy
+
+    from turnrl.envs.agent import AgentEnvironment
+
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "existing_agent.py"))
+    tokenizer = load_tokenizer(vllm_model_dir)
+    engine.sync(caller)
+    environment = AgentEnvironment(example["agent"], example["PROBE"].task, example["reward"])
+    group = GroupSpec(
+        3, EpisodeLimits(max_turns=3, max_tokens_per_turn=32, timeout_s=120),
+        SamplingParams(temperature=TEMPERATURE, stop_token_ids=stop_token_ids(tokenizer)),
+        seed=5,
+    )  # fmt: skip
+    tasks = [environment.task(i) for i in range(4)]
+    try:
+        program = collect_groups(
+            tasks, environment.make_env, engine, ChatRenderer(tokenizer), group
+        )
+        trajectories = [t for g in engine.run(program) for t in g]
+    finally:
+        environment.close()
+    assert [t.error for t in trajectories] == [None] * 12
+    assert sum(len(t.tool_calls) for t in trajectories) > 0  # the warmed-up model calls
+    worst, count = learner_gap(caller, trajectories)
+    assert count > 50
+    assert worst < 1e-5
+
+
+# A training run makes and shuts down its own engine, which tears down vLLM's process-wide
+# parallel state: the module's `engine` cannot sample after it, so the tests that use it
+# come first.
 def test_a_run_samples_with_vllm_and_syncs_it_after_every_update(tmp_path: Path) -> None:
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
@@ -296,37 +333,3 @@ def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path)
         f"peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; step {sum(steps) / len(steps):.2f} s"
     )
     assert len(steps) == 4
-
-
-def test_an_existing_agent_samples_from_vllm_through_the_endpoint(
-    engine: VLLMBackend, vllm_model_dir: Path, caller: Any
-) -> None:
-    """examples/existing_agent.py's agent (the openai SDK over loopback HTTP) on the vLLM
-    backend: its calls come back as tool_calls, and every training sample's log-probs are
-    the learner's, as in process."""
-    import runpy
-
-    from turnrl.envs.agent import AgentEnvironment
-
-    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "existing_agent.py"))
-    tokenizer = load_tokenizer(vllm_model_dir)
-    engine.sync(caller)
-    environment = AgentEnvironment(example["agent"], example["PROBE"].task, example["reward"])
-    group = GroupSpec(
-        3, EpisodeLimits(max_turns=3, max_tokens_per_turn=32, timeout_s=120),
-        SamplingParams(temperature=TEMPERATURE, stop_token_ids=stop_token_ids(tokenizer)),
-        seed=5,
-    )  # fmt: skip
-    tasks = [environment.task(i) for i in range(4)]
-    try:
-        program = collect_groups(
-            tasks, environment.make_env, engine, ChatRenderer(tokenizer), group
-        )
-        trajectories = [t for g in engine.run(program) for t in g]
-    finally:
-        environment.close()
-    assert [t.error for t in trajectories] == [None] * 12
-    assert sum(len(t.tool_calls) for t in trajectories) > 0  # the warmed-up model calls
-    worst, count = learner_gap(caller, trajectories)
-    assert count > 50
-    assert worst < 1e-5
