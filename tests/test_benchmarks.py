@@ -215,6 +215,21 @@ def vs_trl(data: dict[str, Any], tmp: Path) -> None:
     assert (tmp / "runs" / "vs_trl" / "warmup-seed0-echo2" / "start_model").is_dir()
 
 
+def gpu(data: dict[str, Any], tmp: Path) -> None:
+    assert [r["setup"] for r in data["real"]] == [
+        "full, float32", "full, bf16-mixed", "full, bf16-mixed, grad ckpt", "LoRA r16, bf16-mixed",
+    ]  # fmt: skip
+    for r in data["real"]:
+        assert "error" not in r, r
+        assert r["steps"] == 2
+        assert r["step_s"] > 0
+        assert r["tokens_per_s"] > 0
+        assert r["startup_gap"] < 1e-3  # float32 on the CPU
+    p = data["probe"]
+    assert p["steps"] == 2
+    assert [s for s, _ in p["curve"]] == [0, 2]
+
+
 def endpoint(data: dict[str, Any], tmp: Path) -> None:
     o = data["overhead"]
     for name in ("in_process", "endpoint"):
@@ -232,6 +247,7 @@ CHECKS: dict[str, Check] = {
     "endpoint": endpoint,
     "env_learning": env_learning,
     "envs": envs,
+    "gpu": gpu,
     "learner": learner,
     "learning_proof": learning_proof,
     "presets": presets,
