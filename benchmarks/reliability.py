@@ -17,7 +17,14 @@ damaged one way each case, is resumed to its end (``--resume``): the damage must
 named, the checkpoint before it used, and the result equal the uninterrupted run. The
 last case damages every checkpoint: the resume must stop with a clear error.
 
+Hostile code: every attack class of ``turnrl.tools.hostile`` run in the bubblewrap sandbox
+(as root: a dedicated uid), each contained, escaped, or not enforceable on this machine.
+
+``--sections`` measures some sections only; the others' figures are kept from the results
+file already there (and the markdown says from which run).
+
     python benchmarks/reliability.py              # 10 kills of a 12-step run, 7 damages
+    python benchmarks/reliability.py --sections hostile
     python benchmarks/reliability.py --kills 30 --seed 1
     python benchmarks/reliability.py --smoke      # 3 kills of a 6-step run, 2 damages
 
@@ -1221,7 +1228,90 @@ def damage_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("kills", "load", "fuzz", "disk")
+HOSTILE_LIMITS = {"max_memory_mb": 256, "max_cpu_s": 5, "max_file_mb": 16, "max_processes": 16,
+                  "max_open_files": 64, "max_tmp_mb": 16, "max_slot_memory_mb": 192,
+                  "max_workspace_mb": 64}  # fmt: skip
+
+
+def hostile() -> dict[str, Any]:
+    """Each attack class of ``turnrl.tools.hostile`` in the bubblewrap sandbox, judged."""
+    from turnrl.tools import Sandbox, SandboxLimits, SandboxUnavailableError
+    from turnrl.tools.hostile import ATTACKS, run_attack
+
+    try:
+        sandbox = Sandbox("bwrap", limits=SandboxLimits(**HOSTILE_LIMITS))
+    except SandboxUnavailableError as exc:
+        rows = [{"attack": a.name, "what": a.what, "verdict": "not run", "detail": str(exc),
+                 "seconds": 0.0} for a in ATTACKS]  # fmt: skip
+        return {"limits": HOSTILE_LIMITS, "missing": {"bwrap": str(exc)}, "attacks": rows}
+    rows = []
+    for attack in ATTACKS:
+        outcome = run_attack(sandbox, attack)
+        rows.append({"attack": attack.name, "what": attack.what, "verdict": outcome.verdict,
+                     "detail": outcome.detail, "seconds": outcome.seconds})  # fmt: skip
+        print(f"hostile: {attack.name}: {outcome.verdict} ({outcome.detail})", flush=True)
+    return {"limits": HOSTILE_LIMITS, "missing": sandbox.missing, "attacks": rows,
+            "cgroup_version": sandbox.cgroup_version}  # fmt: skip
+
+
+def hostile_md(r: dict[str, Any]) -> str:
+    counts = Counter(row["verdict"] for row in r["attacks"])
+    lines = [
+        "Each class of attack the 2026-11-24 hostile run found (and the kernel surface it "
+        "named), run for real by `turnrl.tools.hostile` through `PythonInterpreter` in the "
+        "bubblewrap sandbox as a dedicated uid, limits "
+        + ", ".join(f"{k}={v}" for k, v in r["limits"].items())
+        + ". After every attack: no process of the slot's uid left, its work dir gone, its "
+        "uid free. Verdicts: "
+        + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+        + '. "not enforceable": it escaped and this machine lacks what stops it.',
+        "",
+        "| attack | what it does | verdict | what was seen | s |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r["attacks"]:
+        verdict = row["verdict"] if row["verdict"] == "contained" else f"**{row['verdict']}**"
+        detail = row["detail"].replace("|", "\\|")
+        lines.append(f"| {row['attack']} | {row['what']} | {verdict} | {detail} | "
+                     f"{row['seconds']:.1f} |")  # fmt: skip
+    missing = r["missing"]
+    version = r.get("cgroup_version")
+    if version is not None:
+        lines += ["", f"Slot memory, tasks and CPU go through cgroup v{version}"
+                  + (" (this machine's unified v2 hierarchy offers no memory, pids or cpu "
+                     "controller; the v1 hierarchies of those controllers are used)"
+                     if version == 1 else "") + "."]  # fmt: skip
+    lines += ["", "Not enforced on this machine: "
+              + ("; ".join(f"{k}: {v}" for k, v in missing.items()) if missing else "nothing")
+              + "."]  # fmt: skip
+    return "\n".join(lines)
+
+
+SECTIONS = ("kills", "load", "fuzz", "disk", "hostile")
+MD_HEADINGS = {"load": "## Load", "fuzz": "## Fuzz", "kills": "## Kills and damaged checkpoints",
+               "disk": "## Full disk", "hostile": "## Hostile code"}  # fmt: skip
+JSON_KEYS = {"kills": ("kills", "damages"), "load": ("load",), "fuzz": ("fuzz",),
+             "disk": ("disk",), "hostile": ("hostile",)}  # fmt: skip
+
+
+def kept_sections(out: Path, sections: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """From an earlier results file: the JSON keys and markdown parts of the sections not
+    measured this time, so that a run of some sections keeps the others' figures."""
+    if not out.with_suffix(".json").exists() or not out.with_suffix(".md").exists():
+        return {}, {}
+    old = json.loads(out.with_suffix(".json").read_text())
+    text = out.with_suffix(".md").read_text()
+    parts = {}
+    for name, heading in MD_HEADINGS.items():
+        if name in sections or name not in old.get("sections", []) or heading not in text:
+            continue
+        body = text.split(heading + "\n", 1)[1]
+        cut = [body.index(h) for h in MD_HEADINGS.values() if h in body]
+        parts[name] = heading + "\n" + (body[: min(cut)] if cut else body).rstrip("\n")
+    kept = {key: old[key] for name in parts for key in JSON_KEYS[name] if key in old}
+    kept["kept_from"] = {"date": old.get("date"), "commit": old.get("commit"),
+                         "sections": sorted(parts)}  # fmt: skip
+    return {**{k: v for k, v in old.items() if k not in ("sections",)}, **kept}, parts
 
 
 def main() -> None:
@@ -1285,9 +1375,20 @@ def main() -> None:
     if "disk" in args.sections:
         results["disk"] = disk(args, straight, options)
         md += ["", "## Full disk", "", disk_md(results["disk"], args)]
+    if "hostile" in args.sections:
+        results["hostile"] = hostile()
+        md += ["", "## Hostile code", "", hostile_md(results["hostile"])]
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({**meta, **results}, indent=2))
+    kept, parts = kept_sections(out, args.sections)
+    if parts:
+        meta["sections"] = [s for s in SECTIONS if s in args.sections or s in parts]
+        md[2] += (f"; kept from the run of {kept['kept_from']['date']} (commit "
+                  f"{kept['kept_from']['commit']}): " + ", ".join(sorted(parts)))  # fmt: skip
+        for name in SECTIONS:
+            if name in parts:
+                md += ["", parts[name]]
+    out.with_suffix(".json").write_text(json.dumps({**kept, **meta, **results}, indent=2))
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -29,3 +29,15 @@ def test_a_failing_check_is_named_and_sets_the_exit_status(
     monkeypatch.setattr(doctor, "_check_training", lambda: "skipped")
     assert main(["doctor"]) == 1
     assert "FAIL bm25 search: RuntimeError: index is broken" in capsys.readouterr().out
+
+
+def test_doctor_lists_what_the_sandbox_cannot_enforce(monkeypatch: pytest.MonkeyPatch) -> None:
+    from turnrl.tools import sandbox
+
+    monkeypatch.setitem(sandbox._PROBED, ("cgroups",), (None, "no delegation here"))
+    monkeypatch.setitem(sandbox._PROBED, ("workspace",), (None, "no mounts here"))
+    lines = doctor._sandbox_lines()
+    assert "NOT enforced" in lines[0] or "does NOT isolate" in lines[0]
+    assert any("no control group per slot (no delegation here)" in line for line in lines)
+    assert any("slot's total memory" in line for line in lines)
+    assert any("work dir is not size-limited (no mounts here)" in line for line in lines)

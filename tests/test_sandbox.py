@@ -449,7 +449,7 @@ def test_killing_the_parent_and_everything_harms_no_host_process(sandbox: Sandbo
 
 @needs_root
 @modes()
-def test_background_children_do_not_survive_close(sandbox: Sandbox) -> None:
+def test_background_children_do_not_survive_their_call(sandbox: Sandbox) -> None:
     tag = str(900 + secrets.randbelow(99))
     code = (
         "import os, subprocess, time\n"
@@ -460,7 +460,7 @@ def test_background_children_do_not_survive_close(sandbox: Sandbox) -> None:
         "        time.sleep(1000)\n"
         "    os._exit(0)\n"
         "time.sleep(0.2)\n"
-        "print('spawned')\n"
+        "print('spawned', len(os.listdir('/proc')))\n"
     )
     seen: list[int] = []
     sleeping: list[bool] = []
@@ -469,12 +469,14 @@ def test_background_children_do_not_survive_close(sandbox: Sandbox) -> None:
         seen.append(len(pids_of_uid(slot.uid)))
         sleeping.append(any(c.strip() == f"sleep {tag}" for c in cmdlines()))
 
-    # A long timeout: on a loaded machine the code's start can take seconds, and a timeout
-    # kills the children before they are looked for (seen once, beside two training runs).
+    # A long timeout: on a loaded machine the code's start can take seconds.
     outcome = hostile(sandbox, code, timeout_s=30.0, inspect=count)  # and: nothing survives
-    assert (outcome.result.status, outcome.result.output) == ("ok", "spawned\n")
-    assert sleeping == [True]
-    assert seen[0] >= 3  # the interpreter, the sleeper, the daemon
+    assert (outcome.result.status, outcome.result.notice) == ("ok", None)
+    assert outcome.result.output.startswith("spawned")
+    # Killed when the call ended: only the interpreter (under bubblewrap: and bubblewrap's
+    # two processes above it) is left between calls.
+    assert sleeping == [False]
+    assert seen == [3 if sandbox.mode == "bwrap" else 1]
     assert not any(c.strip() == f"sleep {tag}" for c in cmdlines())
 
 
@@ -543,9 +545,8 @@ def test_a_crash_restarts_with_a_notice(any_sandbox: Sandbox) -> None:
     async def go() -> list[CodeResult]:
         async with PythonInterpreter(any_sandbox, timeout_s=5) as interp:
             crashed = await interp.run("x = 1\nimport os\nos._exit(7)")
-            later = await interp.run(
-                "import os, threading, time\n"
-                "threading.Thread(target=lambda: (time.sleep(0.05), os._exit(0))).start()"
+            later = await interp.run(  # SIGALRM's default action ends the process
+                "import signal\nsignal.setitimer(signal.ITIMER_REAL, 0.05)"
             )
             await asyncio.sleep(0.3)  # it dies between calls
             again = await interp.run("print('x' in globals())")

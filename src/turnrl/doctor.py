@@ -64,7 +64,7 @@ def facts() -> list[str]:
     else:
         lines.append("cuda          none (CPU training; model.device auto = cpu)")
     lines.extend(_learner_lines(torch))
-    lines.append(f"sandbox       {_sandbox_line()}")
+    lines += [f"sandbox       {line}" for line in _sandbox_lines()]
     for extra, module in EXTRAS.items():
         try:
             importlib.import_module(module)
@@ -98,17 +98,22 @@ def _learner_lines(torch: Any) -> list[str]:
     ]  # fmt: skip
 
 
-def _sandbox_line() -> str:
+def _sandbox_lines() -> list[str]:
+    """The sandbox's mode, then one line per limit this machine cannot enforce."""
     from turnrl.tools import Sandbox
     from turnrl.tools.sandbox import SandboxError
 
     try:
         sandbox = Sandbox("auto")
     except SandboxError as exc:
-        return f"unavailable: {exc}"
+        return [f"unavailable: {exc}"]
     if sandbox.isolated:
-        return "bubblewrap (isolating)"
-    return f"rlimit fallback, does NOT isolate: {sandbox.fallback_reason}"
+        first = "bubblewrap (isolating; some limits NOT enforced here, listed below)"
+        if not sandbox.unenforced:
+            first = "bubblewrap (isolating; syscall filter, cgroup per slot, tmpfs work dir)"
+    else:
+        first = f"rlimit fallback, does NOT isolate: {sandbox.fallback_reason}"
+    return [first, *(f"  {line}" for line in sandbox.unenforced)]
 
 
 def self_check() -> list[tuple[str, bool, str]]:

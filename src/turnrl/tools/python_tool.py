@@ -12,10 +12,24 @@ in the episode's work dir survive a restart. ``python_tool`` wraps an interprete
 ``Tool`` for a ``ToolSet``. Close the interpreter at the end of the episode (``close()`` or
 ``async with``); a forgotten one is killed when garbage-collected or at exit.
 
+Between calls nothing of the episode runs. After each call every other process the code
+started is killed (as a forked copy of the interpreter already ends with its cell: like a
+script, a call's background work ends with it), and an interpreter left with threads
+running is restarted, with a notice. So nothing burns CPU between calls, and nothing can
+read, answer or pre-empt the next request.
+
 The process protocol: requests come on the interpreter's stdin (a length line, then JSON);
 its stdout and stderr are one pipe, and after a call the driver writes a random marker the
-host splits the stream at. Code can end its own call early by writing that marker (it can
-find it), never another call: each marker is random and made when its call starts.
+host splits the stream at. Writing the request and waiting for the marker both happen
+within the call's ``timeout_s``: an interpreter that stops reading its requests times the
+call out, it never blocks it. What a call returns is what the interpreter wrote after its
+request was sent and before its marker. The marker is random, made when its call starts
+and sent only with it, so no earlier call knows it: with no other process and no thread of
+the episode alive between calls, only the code of that call (which can find its own marker)
+can end it early. Code of one call can still change what later calls do (that is what a
+persistent interpreter is: it can redefine ``print``, or the driver itself), so a call's
+output is the episode's own account, never evidence a verifier should trust; verifiers
+check files or run their own process.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from turnrl.errors import ConfigError
-from turnrl.tools.sandbox import Sandbox, SandboxError, SandboxSlot
+from turnrl.tools.sandbox import Sandbox, SandboxError, SandboxSlot, pids_of_uid
 from turnrl.tools.tool import Tool
 
 logger = logging.getLogger(__name__)
@@ -102,6 +116,7 @@ _main(sys.argv[1])
 """
 _OMITTED_ROOM = 48  # characters kept free for the "[... N characters omitted ...]" line
 _NOTICE_ROOM = 400  # a restart notice comes on top of the output limit
+_CLEANUP_S = 60.0  # killing a slot's processes and restarting may take this long
 
 
 def _new_marker() -> str:
@@ -172,12 +187,21 @@ class PythonInterpreter:
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        self._interpreter_pid = 0
+        """The interpreter's host pid (0: not known, for a shared uid)."""
+        self._keep: frozenset[int] = frozenset()
+        """Host pids of the interpreter and the sandbox's own processes above it."""
         self._finalizer = weakref.finalize(self, self._held.release_now)
 
     @property
     def slot(self) -> SandboxSlot | None:
         """The uid and work dir in use (None before the first call and after close)."""
         return self._held.slot
+
+    @property
+    def pid(self) -> int | None:
+        """The interpreter's host pid, where known (a dedicated uid; None otherwise)."""
+        return self._interpreter_pid or None
 
     async def run(self, code: str) -> CodeResult:
         """Run ``code`` in the interpreter; never raises for anything the code does."""
@@ -205,7 +229,18 @@ class PythonInterpreter:
             assert self._output is not None
             output, truncated = self._output.result or self._output.take()
             if outcome == "done":
-                return CodeResult(output, "ok", notice, truncated)
+                if await self._quiesce():
+                    return CodeResult(output, "ok", notice, truncated)
+                await self._stop()
+                self.num_restarts += 1
+                left = (
+                    "[Note: threads the code started were still running when the call "
+                    "ended, so the interpreter was restarted: variables, imports and "
+                    "definitions from earlier calls are lost; files in the work dir are kept.]"
+                )
+                return CodeResult(
+                    output, "ok", left if notice is None else f"{notice}\n{left}", truncated
+                )
             if outcome == "timeout":
                 what = f"the code ran past the {self.timeout_s:g} s time limit and was stopped"
             else:
@@ -266,6 +301,18 @@ class PythonInterpreter:
             raise SandboxError(
                 f"the sandboxed Python interpreter failed to start ({status}): {text}"
             )
+        if slot.dedicated:  # before any code ran: every process of the uid is ours
+            found = await asyncio.to_thread(_interpreter_chain, slot.uid, proc.pid, ready)
+            self._interpreter_pid, self._keep = found
+
+    async def _quiesce(self) -> bool:
+        """After a call: kill every other process of the slot; False if the interpreter
+        still runs threads besides its main one (then it must be restarted)."""
+        slot = self._held.slot
+        if slot is None or not slot.dedicated or not self._interpreter_pid:
+            return True
+        await asyncio.to_thread(self.sandbox.kill_except, slot, self._keep)
+        return _num_threads(self._interpreter_pid) <= 1
 
     async def _call(self, code: str) -> Literal["done", "exited", "timeout"]:
         proc, output = self._held.proc, self._output
@@ -275,12 +322,18 @@ class PythonInterpreter:
         marker = _new_marker()
         request = json.dumps({"code": code, "marker": marker}).encode()
         output.expect(marker.encode())
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
             proc.stdin.write(b"%d\n%s" % (len(request), request))
-            await proc.stdin.drain()
+            # Under the call's limit: an interpreter that stopped reading its requests
+            # (code replaced the pipe) would block a large request's write forever.
+            await asyncio.wait_for(proc.stdin.drain(), self.timeout_s)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the interpreter is gone: _wait sees it exit
-        return await self._wait(self.timeout_s)
+        except asyncio.TimeoutError:
+            return "timeout" if proc.returncode is None else "exited"
+        left = deadline - asyncio.get_running_loop().time()
+        return await self._wait(max(0.0, left))
 
     async def _wait(self, timeout_s: float) -> Literal["done", "exited", "timeout"]:
         """Until the expected marker arrives, the process exits, or the time is up."""
@@ -323,13 +376,15 @@ class PythonInterpreter:
                 await self._reader
             self._reader = None
         self._held.proc = None
+        self._interpreter_pid, self._keep = 0, frozenset()
 
 
 def python_tool(interpreter: PythonInterpreter, *, name: str = "python") -> Tool:
     """A tool running code in ``interpreter``: argument ``code``, the output as its result.
 
     A timeout or a crash is a failed call whose error tells the model its state was lost.
-    The interpreter enforces its own time limit, so the tool sets none of its own.
+    The interpreter enforces its own time limit; the tool's own, a backstop, adds the
+    start-up and clean-up time a call may need on top of it.
     """
 
     async def run_python(code: str) -> str:
@@ -349,7 +404,7 @@ def python_tool(interpreter: PythonInterpreter, *, name: str = "python") -> Tool
         run_python,
         name=name,
         description=description,
-        timeout_s=None,
+        timeout_s=interpreter.timeout_s + interpreter.startup_timeout_s + _CLEANUP_S,
         max_output_chars=interpreter.max_output_chars + _NOTICE_ROOM,
         isolated=interpreter.isolated,
     )
@@ -457,6 +512,43 @@ class _Output:
             extra = len(self.tail) - self.keep_bytes
             self.dropped += extra
             del self.tail[:extra]
+
+
+def _interpreter_chain(uid: int, top: int, token: str) -> tuple[int, frozenset[int]]:
+    """The interpreter and it with its ancestors up to ``top``, the process this host
+    started ((0, {}) if not found). bubblewrap's processes above it carry the same command
+    line (``token`` included): the interpreter is the deepest process that does."""
+    needle = token.encode()
+    best: tuple[int, frozenset[int]] = (0, frozenset())
+    for pid in pids_of_uid(uid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle not in f.read():
+                    continue
+        except OSError:
+            continue
+        chain, up = {pid}, pid
+        while up != top and up > 1:
+            up = _parent(up)
+            chain.add(up)
+        if up == top and len(chain) > len(best[1]):
+            best = (pid, frozenset(chain))
+    return best
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _num_threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 async def _pump(stream: asyncio.StreamReader, output: _Output) -> None:

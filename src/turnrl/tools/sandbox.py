@@ -1,20 +1,22 @@
 """Where untrusted code runs: bubblewrap isolation under rlimits, or a loud rlimit-only fallback.
 
 What lives here: ``Sandbox`` (the isolation mode, the limits and a machine-wide pool of
-dedicated uids), ``SandboxSlot`` (one episode's uid and work dir), and the command line and
-process settings that start a program inside. What does not: the persistent interpreter and
-the tool the model calls (``turnrl.tools.python_tool``).
+dedicated uids), ``SandboxSlot`` (one episode's uid, work dir and control group), and the
+command line and process settings that start a program inside. What does not: the
+persistent interpreter and the tool the model calls (``turnrl.tools.python_tool``), the
+syscall filter's program (``turnrl.tools.seccomp``), the control groups (``turnrl.tools.cgroups``).
 
 Mode ``"bwrap"`` (Debian's bubblewrap) runs the program with every namespace unshared (no
 network: only a private loopback; its own pid space; no host processes visible), the system
 directories read-only (/usr, a few loader files of /etc; the rest of /etc, /home, /root and
 the project are absent), a private size-limited ``/tmp`` and ``/dev/shm``, the episode's work
 dir as the only writable host directory (at ``/workspace``), a cleared environment, no
-capabilities, and a new session (no terminal injection). What the work dir holds in total
-is bounded only by the file size limit per file and the host's disk. Mode ``"rlimit"`` runs it as a plain process with the
-same limits and nothing else: it can read world-readable files, write to world-writable
-directories such as ``/tmp`` and connect to the network, localhost services included.
-Constructing a sandbox in that mode logs a warning and sets ``isolated = False``.
+capabilities, a new session (no terminal injection) and a syscall filter (no socket families
+but unix and inet, no nested namespaces, ptrace, io_uring or keyring). Mode ``"rlimit"`` runs
+it as a plain process with the same limits and nothing else: it can read world-readable
+files, write to world-writable directories such as ``/tmp`` and connect to the network,
+localhost services included. Constructing a sandbox in that mode logs a warning and sets
+``isolated = False``.
 
 In both modes the program runs as a dedicated non-root uid, one per concurrent slot, when
 this process is root (never as uid 0): RLIMIT_NPROC counts every process of a uid
@@ -24,13 +26,24 @@ Slots are locked with ``flock`` on files in the temp dir, so separate processes 
 machine never share a uid. Run as an ordinary user, the program runs under that user's uid:
 bubblewrap still isolates it, the fallback then isolates nothing at all.
 
+Per slot as a whole, where this process is root and the machine allows it: a control group
+(``memory.max`` counting shared memory, memfd and tmpfs pages; ``pids.max``; ``cpu.max``)
+and a work dir that is a tmpfs of ``max_workspace_mb`` (it cannot be filled without bound,
+and unmounting it deletes any tree, however deep). Where either is missing, the sandbox logs
+a warning naming what is not enforced and lists it in ``unenforced`` (``turnrl doctor``
+prints it).
+
 The rlimits (address space, CPU seconds, file size, processes, open files, no core dumps) are
 set by a few lines of Python run by the sandboxed interpreter itself before it executes the
-program: no ``preexec_fn``, which is unsafe in a threaded process. See ../shared/OFFLINE.md.
+program: no ``preexec_fn``, which is unsafe in a threaded process. A launcher, run first,
+moves itself into the slot's control group, hands bubblewrap the syscall filter and drops
+root for the slot's uid. See ../shared/OFFLINE.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -41,12 +54,14 @@ import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from turnrl.errors import ConfigError, TurnrlError
+from turnrl.tools.cgroups import Cgroups, SlotCgroup, find_cgroups
+from turnrl.tools.seccomp import syscall_filter
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +101,27 @@ for name, value in json.loads(sys.argv[1]).items():
     resource.setrlimit(kind, (soft, hard))
 os.execv(sys.argv[2], sys.argv[2:])
 """
+# Run first, as this process's user: move into the slot's control group(s) (writing 0 moves
+# the writer), give bubblewrap the syscall filter on an inherited in-memory file, drop root
+# for the slot's uid, then exec. Nothing the sandboxed program starts can be outside.
+_LAUNCHER = """\
+import json, os, sys
+conf = json.loads(sys.argv[1])
+for path in conf["procs"]:
+    with open(path, "w") as f:
+        f.write("0")
+argv = sys.argv[2:]
+if conf["seccomp"]:
+    fd = os.memfd_create("turnrl-seccomp", 0)
+    os.write(fd, bytes.fromhex(conf["seccomp"]))
+    os.lseek(fd, 0, os.SEEK_SET)
+    argv = [argv[0], "--seccomp", str(fd), *argv[1:]]
+if conf["uid"] is not None:
+    os.setgroups([])
+    os.setresgid(conf["gid"], conf["gid"], conf["gid"])
+    os.setresuid(conf["uid"], conf["uid"], conf["uid"])
+os.execv(argv[0], argv)
+"""
 # The whole of a uid's processes can be killed by that uid itself: kill(-1) signals every
 # process the caller may signal, except itself and init. Run only for dedicated uids.
 _KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
@@ -116,6 +152,13 @@ class SandboxLimits:
     max_tmp_mb: int = 64
     """Size of each of the private /tmp and /dev/shm, tmpfs in memory (bwrap only; the
     fallback has neither)."""
+    max_slot_memory_mb: int = 2048
+    """Memory of the whole slot, all its processes together, shared memory, memfd and tmpfs
+    pages included (cgroup memory.max): past it the kernel's OOM killer ends a process."""
+    max_workspace_mb: int = 1024
+    """Size of the work dir (a tmpfs, in memory): a write past it fails with ENOSPC."""
+    max_cpu_cores: float = 1.0
+    """Cores the whole slot may use at once (cgroup cpu.max)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,10 +168,15 @@ class SandboxLimits:
             "max_processes",
             "max_open_files",
             "max_tmp_mb",
+            "max_slot_memory_mb",
+            "max_workspace_mb",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SandboxLimits.{name} must be a positive int, got {value!r}")
+        cores = self.max_cpu_cores
+        if not isinstance(cores, (int, float)) or isinstance(cores, bool) or not cores > 0:
+            raise ConfigError(f"SandboxLimits.max_cpu_cores must be > 0, got {cores!r}")
 
     def rlimits(self) -> dict[str, int]:
         """Soft limits by ``resource`` constant name; the core dump size is always 0."""
@@ -159,6 +207,10 @@ class SandboxSlot:
     dedicated: bool
     lock_fd: int | None
     """The open lock file holding the uid (None for a shared uid, and once released)."""
+    cgroup: SlotCgroup | None = None
+    """The slot's control group(s) (None where the machine gives none)."""
+    mounted: bool = False
+    """The work dir is a size-limited tmpfs mounted for this slot."""
 
 
 class Sandbox:
@@ -224,32 +276,92 @@ class Sandbox:
                     "(not root, so no dedicated uid): the code can signal this process, "
                     "read its files and environment, and leave processes behind."
                 )
+        self._cgroups, cgroup_problem = _probe(("cgroups",), find_cgroups)
+        workspace_problem = _probe(("workspace",), _tmpfs_problem)[1]
+        self._seccomp: bytes | None = None
+        seccomp_problem = None
+        if self.mode == "bwrap":
+            try:
+                self._seccomp = syscall_filter()
+            except ValueError as exc:
+                seccomp_problem = str(exc)
+        unenforced = []
+        if cgroup_problem is not None:
+            unenforced.append(
+                f"no control group per slot ({cgroup_problem}): NOT enforced: the slot's "
+                "total memory (the address-space limit is per process and multiplies with "
+                "the process count; shared memory, memfd and tmpfs pages count against no "
+                "limit), the slot's CPU share (cpu.max) and its task count (pids.max; "
+                "RLIMIT_NPROC still counts the uid's processes"
+                + (")" if self._root else ", but not threads of a shared uid)")
+            )
+        if workspace_problem is not None:
+            unenforced.append(
+                f"the work dir is not size-limited ({workspace_problem}): NOT enforced: "
+                "its total size (only the per-file size limit and the host's disk bound it)"
+            )
+        if seccomp_problem is not None:
+            unenforced.append(f"no syscall filter ({seccomp_problem})")
+        self.missing: dict[str, str] = {
+            name: problem
+            for name, problem in (
+                ("cgroup", cgroup_problem),
+                ("workspace", workspace_problem),
+                ("seccomp", seccomp_problem if self.mode == "bwrap" else "no bubblewrap"),
+            )
+            if problem is not None
+        }
+        """Per mechanism ("cgroup", "workspace", "seccomp"): why it is missing here."""
+        self.unenforced: tuple[str, ...] = tuple(unenforced)
+        """What this machine cannot enforce, in words (empty: everything is)."""
+        for line in self.unenforced:
+            logger.warning("turnrl sandbox: %s", line)
+
+    @property
+    def cgroup_version(self) -> int | None:
+        """The cgroup hierarchy slot limits go through here (1 or 2), or None."""
+        return None if self._cgroups is None else self._cgroups.version
 
     def acquire(self) -> SandboxSlot:
-        """A free slot: a uid locked for this slot alone and a fresh, empty work dir."""
+        """A free slot: a uid locked for this slot alone, a fresh, empty work dir (a
+        size-limited tmpfs where possible) and the slot's control group where possible."""
         if not self._root:
             uid, gid = os.getuid(), os.getgid()
             return SandboxSlot(uid, gid, self._make_workdir(uid, gid), False, None)
         uid, fd = self._lock_uid()
+        slot = SandboxSlot(uid, uid, Path(), True, fd)
         try:
-            slot = SandboxSlot(uid, uid, self._make_workdir(uid, uid), True, fd)
-            if _pids_of_uid(uid):  # left behind by a process that died holding the lock
+            slot.workdir = self._make_workdir(uid, uid)
+            if self._probe_ok("workspace"):
+                _mount_tmpfs(slot.workdir, self.limits.max_workspace_mb * 1024 * 1024, uid)
+                slot.mounted = True
+            if pids_of_uid(uid):  # left behind by a process that died holding the lock
                 self.kill_all(slot)
+            if self._cgroups is not None:
+                slot.cgroup = self._make_cgroup(self._cgroups, uid)
         except BaseException:
-            os.close(fd)
+            self.release(slot)
             raise
         return slot
 
     def release(self, slot: SandboxSlot) -> None:
-        """Kill what the slot's uid still runs, delete its work dir, free its uid."""
-        if slot.dedicated:
-            self.kill_all(slot)
-        shutil.rmtree(slot.workdir, ignore_errors=True)
-        if slot.workdir.exists():
-            logger.warning("sandbox work dir %s could not be fully deleted", slot.workdir)
-        if slot.lock_fd is not None:
-            fd, slot.lock_fd = slot.lock_fd, None
-            os.close(fd)  # closing the descriptor drops the flock
+        """Kill what the slot's uid still runs, delete its work dir and control group, free
+        its uid. Never raises: whatever the code left, the uid and the work dir come back."""
+        try:
+            if slot.dedicated:
+                self.kill_all(slot)
+            if slot.cgroup is not None and not slot.cgroup.remove():
+                logger.warning("sandbox control group %s could not be removed", slot.cgroup)
+            if slot.mounted:
+                slot.mounted = not _unmount(slot.workdir)
+            if slot.workdir != Path() and not remove_tree(slot.workdir):
+                logger.warning("sandbox work dir %s could not be fully deleted", slot.workdir)
+        except Exception:
+            logger.exception("cleaning up sandbox slot of uid %d failed", slot.uid)
+        finally:
+            if slot.lock_fd is not None:
+                fd, slot.lock_fd = slot.lock_fd, None
+                os.close(fd)  # closing the descriptor drops the flock
 
     def kill_all(self, slot: SandboxSlot) -> None:
         """SIGKILL every process of a dedicated slot uid (a no-op for a shared uid).
@@ -259,23 +371,45 @@ class Sandbox:
         if not slot.dedicated:
             return
         for _ in range(3):  # a fork racing one kill leaves a child for the next
-            if not _pids_of_uid(slot.uid):
+            if not pids_of_uid(slot.uid):
                 return
-            subprocess.run(
-                [self.python, "-I", "-S", "-c", _KILL_ALL],
-                user=slot.uid,
-                group=slot.gid,
-                extra_groups=[],
-                env={},
-                cwd="/",
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=30,
-                check=False,
-            )
-        if _pids_of_uid(slot.uid):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                self._kill_as(slot)
+        if pids_of_uid(slot.uid):
             logger.warning("processes of sandbox uid %d survive SIGKILL", slot.uid)
+
+    def kill_except(self, slot: SandboxSlot, keep: Set[int]) -> int:
+        """SIGKILL every process of a dedicated slot uid but the pids in ``keep``; how many
+        were found. For the time between two calls of one interpreter: nothing the code
+        started runs on. Blocking; a no-op for a shared uid."""
+        if not slot.dedicated:
+            return 0
+        found: set[int] = set()
+        for _ in range(10):  # a fork racing one round leaves a child for the next
+            others = [pid for pid in pids_of_uid(slot.uid) if pid not in keep]
+            if not others:
+                break
+            found.update(others)
+            for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first: no more forks
+                for pid in others:
+                    _signal_if_uid(pid, slot.uid, sig)
+        return len(found)
+
+    def _kill_as(self, slot: SandboxSlot) -> None:
+        """kill(-1) run as the slot's uid: every process it may signal."""
+        subprocess.run(
+            [self.python, "-I", "-S", "-c", _KILL_ALL],
+            user=slot.uid,
+            group=slot.gid,
+            extra_groups=[],
+            env={},
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+            check=False,
+        )
 
     def command(self, slot: SandboxSlot, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` (its program under ``self.python`` or in
@@ -283,13 +417,23 @@ class Sandbox:
         rlimits = self.limits.rlimits()
         if not slot.dedicated and self.mode == "rlimit":
             # RLIMIT_NPROC counts all of a shared uid's processes, so leave room for them.
-            rlimits["RLIMIT_NPROC"] += len(_pids_of_uid(slot.uid))
+            rlimits["RLIMIT_NPROC"] += len(pids_of_uid(slot.uid))
         inner = [self.python, "-I", "-S", "-c", _LIMITER, json.dumps(rlimits), *argv]
+        bwrap = self.mode == "bwrap"
+        launch: dict[str, Any] = {
+            "procs": [] if slot.cgroup is None else slot.cgroup.procs_files,
+            "seccomp": self._seccomp.hex() if bwrap and self._seccomp is not None else None,
+            "uid": slot.uid if slot.dedicated else None,
+            "gid": slot.gid if slot.dedicated else None,
+        }
+        launcher = [self.python, "-I", "-S", "-c", _LAUNCHER]
         if self.mode == "rlimit":
-            return inner
+            return [*launcher, json.dumps(launch), *inner]
         assert self._bwrap is not None
         mb = 1024 * 1024
         return [
+            *launcher,
+            json.dumps(launch),
             self._bwrap,
             *self._bwrap_isolation(),
             *("--size", str(self.limits.max_tmp_mb * mb), "--tmpfs", "/tmp"),
@@ -306,16 +450,14 @@ class Sandbox:
 
     def popen_kwargs(self, slot: SandboxSlot) -> dict[str, Any]:
         """Keyword arguments for ``subprocess.Popen`` / ``asyncio.create_subprocess_exec``
-        with ``command(slot, ...)``: the slot's uid with no supplementary groups, a new
-        session (its own process group, killable as one), the work dir, a minimal
-        environment (nothing of this process's environment passes)."""
+        with ``command(slot, ...)``: a new session (its own process group, killable as
+        one), the work dir, a minimal environment (nothing of this process's environment
+        passes). The command's launcher switches to the slot's uid itself."""
         kwargs: dict[str, Any] = {"start_new_session": True, "cwd": str(slot.workdir)}
         if self.mode == "bwrap":
             kwargs["env"] = {"PATH": _PATH, "LANG": "C.UTF-8"}  # bwrap's own; --clearenv
         else:
             kwargs["env"] = self._inner_env(str(slot.workdir), str(slot.workdir))
-        if slot.dedicated:
-            kwargs.update(user=slot.uid, group=slot.gid, extra_groups=[])
         return kwargs
 
     def code_workdir(self, slot: SandboxSlot) -> str:
@@ -385,6 +527,19 @@ class Sandbox:
                     os.close(lock_fd)
         return _PROBES[key]
 
+    def _probe_ok(self, name: str) -> bool:
+        return _PROBED.get((name,), (None, "not probed"))[1] is None
+
+    def _make_cgroup(self, cgroups: Cgroups, uid: int) -> SlotCgroup:
+        limits = self.limits
+        return cgroups.make_slot(
+            f"slot-{uid}",
+            memory_bytes=limits.max_slot_memory_mb * 1024 * 1024,
+            # bubblewrap's own two processes come on top of the code's.
+            max_tasks=limits.max_processes + 4,
+            cpu_cores=limits.max_cpu_cores,
+        )
+
     def _lock_uid(self) -> tuple[int, int]:
         """A uid of the pool no other slot on the machine holds, and its lock's descriptor."""
         lock_dir = _lock_dir()
@@ -447,6 +602,93 @@ class Sandbox:
 
 
 _PROBES: dict[tuple[str, str, bool], str | None] = {}
+_PROBED: dict[tuple[str], tuple[Any, str | None]] = {}
+
+
+def _probe(key: tuple[str], probe: Callable[[], tuple[Any, str | None]]) -> tuple[Any, str | None]:
+    """What the machine allows, found once per process: (a result, why not or None)."""
+    if key not in _PROBED:
+        _PROBED[key] = probe()
+    return _PROBED[key]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+def _mount_tmpfs(path: Path, size_bytes: int, uid: int) -> None:
+    """Mount a tmpfs of ``size_bytes`` on ``path``, owned by ``uid``, mode 0700."""
+    options = f"size={size_bytes},mode=0700,uid={uid},gid={uid}".encode()
+    flags = _MS_NOSUID | _MS_NODEV
+    if _LIBC.mount(b"tmpfs", os.fsencode(path), b"tmpfs", flags, options) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount tmpfs on {path}: {os.strerror(code)}")
+
+
+def _unmount(path: Path) -> bool:
+    """Detach the mount on ``path`` (its files go with it, however deep the tree)."""
+    if _LIBC.umount2(os.fsencode(path), _MNT_DETACH) == 0:
+        return True
+    code = ctypes.get_errno()
+    logger.warning("cannot unmount the sandbox work dir %s: %s", path, os.strerror(code))
+    return False
+
+
+def _tmpfs_problem() -> tuple[None, str | None]:
+    """Why a size-limited tmpfs cannot be mounted as a work dir here, or None."""
+    if os.geteuid() != 0:
+        return None, "this process is not root (mounting a tmpfs needs root)"
+    path = Path(tempfile.mkdtemp(prefix="turnrl-tmpfs-probe-"))
+    try:
+        _mount_tmpfs(path, 1024 * 1024, os.geteuid())
+    except OSError as exc:
+        return None, str(exc)
+    finally:
+        if os.path.ismount(path):
+            _unmount(path)
+        path.rmdir()
+    return None, None
+
+
+def remove_tree(path: Path) -> bool:
+    """Delete ``path`` and everything under it, symlinks not followed; True if it is gone.
+
+    ``shutil.rmtree`` recurses once per level and raises ``RecursionError`` on a tree a few
+    thousand levels deep, which sandboxed code makes in a second; ``rm -rf`` walks it
+    without recursion and is the fallback."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except Exception:  # RecursionError, or an entry it could not delete
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(
+                ["rm", "-rf", "--one-file-system", "--", str(path)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=600,
+                check=False,
+            )
+    return not os.path.lexists(path)
+
+
+def _signal_if_uid(pid: int, uid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid`` if it is (still) a process of ``uid``: through a pidfd, so a
+    pid reused by another process between the check and the signal is never hit."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+        if int(uids[0]) == uid:
+            signal.pidfd_send_signal(pidfd, sig)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def _check_uids(uids: Sequence[int]) -> None:
@@ -480,7 +722,7 @@ def _lock_dir() -> Path:
     return path
 
 
-def _pids_of_uid(uid: int) -> list[int]:
+def pids_of_uid(uid: int) -> list[int]:
     """Live pids whose real uid is ``uid`` (from /proc; processes in any pid namespace)."""
     pids = []
     for entry in os.scandir("/proc"):
