@@ -1,7 +1,7 @@
-"""Message content is encoded as text, per chat template: a tool result (or user or system
-message) holding a family's control strings gives text tokens that decode back to it, and
-control ids appear only where the template writes them. And ``template_report``, the
-start-up check of a template's prefix property."""
+"""Message content and tool schemas are encoded as text, per chat template: a tool result
+(or user or system message, or a tool's description) holding a family's control strings
+gives text tokens that decode back to it, and control ids appear only where the template
+writes them. And ``template_report``, the start-up check of a template's prefix property."""
 
 from __future__ import annotations
 
@@ -117,6 +117,35 @@ def test_content_without_control_strings_encodes_as_a_plain_encode_would(
     messages = conversation(arch, "cat <b>dog</b> [1] {x}")
     text = renderer.text(messages, add_generation_prompt=True)
     assert renderer.prompt(messages) == tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tool_description_with_control_strings_is_text(
+    arch: str, family_tokenizer: Callable[[str], Any]
+) -> None:
+    """The tool list the template renders (its schemas as JSON) is text too: a description
+    (or a parameter's) holding every family's control strings gives text tokens, in the
+    prompt and in every continuation after it."""
+    tokenizer = family_tokenizer(arch)
+    fmt = get_format(FAMILIES[arch].tool_format)
+    noisy = copy.deepcopy(PROBE_TOOL)
+    noisy["function"]["description"] = f"Return the value. {EVERY_FAMILY_CONTROL}"
+    noisy["function"]["parameters"]["properties"]["key"]["description"] = EVERY_FAMILY_CONTROL
+    stop = stop_token_ids(tokenizer)[0]
+    control = control_ids(tokenizer)
+    found: list[list[int]] = []
+    for tool in (noisy, PROBE_TOOL):
+        renderer = ChatRenderer(tokenizer, [tool])
+        messages = conversation(arch, "cat")
+        ids = renderer.prompt(messages[:1])
+        assert renderer.decode(ids) == renderer.text(messages[:1], add_generation_prompt=True)
+        cont, held = continue_after_call(renderer, messages, stop)
+        assert not cont.template_break
+        whole = [*held, *cont.ids]
+        assert renderer.decode(whole) == renderer.text(messages, add_generation_prompt=True)
+        found.append([t for t in whole if t in control])
+    assert found[0] == found[1]  # control ids only where the template writes them
+    assert fmt.template_tools  # the tool list was the template's to render
 
 
 def test_a_template_that_transforms_content_still_gets_it_as_text(
