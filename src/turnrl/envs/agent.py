@@ -43,6 +43,7 @@ from typing import Any
 
 from turnrl.envs.custom import Environment
 from turnrl.envs.endpoint import AgentCall, EndpointError, EpisodeInbox, PolicyEndpoint
+from turnrl.envs.http_transport import aiohttp_client
 from turnrl.formats import get_format
 from turnrl.formats.openai_message import assistant_text
 from turnrl.protocols import Format, ToolSchema
@@ -383,8 +384,9 @@ class AgentPool:
         share = self._share()
         if share.client is None:
             share.client = _openai().AsyncOpenAI(
-                base_url=base_url, api_key=self.api_key(), max_retries=0
-            )
+                base_url=base_url, api_key=self.api_key(), max_retries=0,
+                http_client=aiohttp_client(),  # half the SDK's per-call cost (http_transport)
+            )  # fmt: skip
         return share.client.with_options(base_url=base_url)
 
     def sync_client(self, base_url: str) -> Any:
