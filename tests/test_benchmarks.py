@@ -242,6 +242,18 @@ def endpoint(data: dict[str, Any], tmp: Path) -> None:
     assert r["errors"] == 0
 
 
+def scale(data: dict[str, Any], tmp: Path) -> None:
+    (row,) = data["rows"]
+    assert row["model"] == "tiny (64 x 2)"
+    assert row["params"] > 0
+    assert set(row["step_s"]) == {
+        "in-process, 1 thread", "in-process, 2 threads", "1 rank", "2 ranks",
+    }  # fmt: skip
+    assert set(row["gather_s"]) == set(row["start_s"]) == {"1 rank", "2 ranks"}
+    for times in (row["step_s"], row["gather_s"], row["start_s"]):
+        assert all(s > 0 for s in times.values())
+
+
 CHECKS: dict[str, Check] = {
     "copying": copying,
     "endpoint": endpoint,
@@ -253,6 +265,7 @@ CHECKS: dict[str, Check] = {
     "presets": presets,
     "reliability": reliability,
     "rollout": rollout,
+    "scale": scale,
     "tools": tools,
     "vs_trl": vs_trl,
 }

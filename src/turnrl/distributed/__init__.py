@@ -1,0 +1,11 @@
+"""Beyond one process: the learner across ranks.
+
+``LearnerGroup`` runs the in-process ``Learner``'s update on N ranks under FSDP2 (gloo on
+the CPU, NCCL on GPUs), with a deadline on every call; learner_group.py is the driver's
+side, rank.py a rank's. It wraps the trainer's learner and re-implements none of its math.
+Not here yet: Ray rollout workers, weight broadcast to engines, the asynchronous driver.
+"""
+
+from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
+
+__all__ = ["LearnerGroup", "LearnerRankError"]

@@ -1,0 +1,363 @@
+"""The LearnerGroup: N learner ranks under FSDP2, driven like the in-process ``Learner``.
+
+The group starts its ranks itself (processes, ``torch.multiprocessing`` spawn), joins them
+with a rendezvous on a free local port (a ``TCPStore`` the driver holds) and talks to each
+over a queue (calls) and a pipe (answers). gloo on the CPU, NCCL on GPUs (one per rank).
+Each call splits its batch across the ranks; every rank runs the ``Learner``'s update on its
+shard, normalised by the whole batch's counts (rank.py), so the update equals the one the
+in-process learner makes from the whole batch.
+
+Every call has a deadline. A rank that fails, hangs or dies becomes a ``LearnerRankError``
+naming the rank and the call (``rank 1 died (exit code -9) during step 7``); the group then
+stops all its ranks (none is left behind) and refuses further calls: a step half-applied on
+some ranks cannot be continued, only restarted from a checkpoint (``state_dict``).
+
+What is not here yet: Ray actors, several nodes, weight broadcast to rollout workers (the
+driver gets the full weights, ``full_state_dict``), a critic, LoRA.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from turnrl.distributed.rank import ModelSource, RankSpec, serve
+from turnrl.errors import TurnrlError
+from turnrl.rollout.batch import Batch
+from turnrl.trainer.config import AlgorithmConfig
+from turnrl.types import Sample
+
+CLOSE_TIMEOUT_S = 10.0
+"""How long ``close`` waits for the ranks to leave the group before it kills them."""
+FAILURE_GRACE_S = 1.0
+"""After a rank reports an error, how long to look for a rank that died first (its death
+is then the cause named; the error is often a peer's broken collective)."""
+
+
+class LearnerRankError(TurnrlError):
+    """A rank of a ``LearnerGroup`` failed, hung or died during a call. The group has
+    been stopped; resume from the last checkpoint."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int], call: str) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        """The ranks at fault (the first is the cause where one can be told)."""
+        self.call = call
+        """The call, with its count: ``step 7``."""
+
+
+class LearnerGroup:
+    """``num_ranks`` processes, each holding a shard of ``model`` under FSDP2 and running
+    the ``Learner`` on its part of each batch. The interface is the ``Learner``'s
+    (``step``, ``step_samples``, ``sampler_gap``, ``reference_kl``), plus the whole
+    weights for syncing engines (``full_state_dict``) and the state for checkpoints.
+
+    ``model``: a model directory or a picklable function returning the model (every rank
+    builds it; it must give the same weights each time). ``device``: ``auto`` (CUDA when
+    there is a GPU per rank), ``cpu`` (gloo) or ``cuda`` (NCCL). ``timeout_s``: the
+    deadline of each call; ``start_timeout_s``: of the start (imports, model loading).
+    ``num_threads``: torch threads per rank (0: on the CPU, the cores shared among the
+    ranks; on GPUs, torch's default). Use as a context manager, or call ``close``.
+    """
+
+    def __init__(
+        self,
+        model: ModelSource,
+        config: AlgorithmConfig,
+        *,
+        num_ranks: int,
+        temperature: float,
+        max_length: int = 0,
+        device: str = "auto",
+        autocast: torch.dtype | None = None,
+        timeout_s: float = 120.0,
+        start_timeout_s: float = 300.0,
+        seed: int = 0,
+        num_threads: int = 0,
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.device = _chosen_device(device, num_ranks)
+        self.timeout_s = timeout_s
+        """The deadline of each call, in seconds (may be changed between calls)."""
+        self._closed = False
+        self._calls: collections.Counter[str] = collections.Counter()
+        spec = RankSpec(
+            model=model, config=config, temperature=temperature, max_length=max_length,
+            device=self.device, autocast=autocast, seed=seed,
+            num_threads=num_threads or (
+                max(1, _num_cpus() // num_ranks) if self.device == "cpu" else 0
+            ),
+            # Longer than a call's deadline: the driver names a hung rank first.
+            collective_timeout_s=timeout_s + 60.0,
+        )  # fmt: skip
+        # The rendezvous: a store on a free port (the OS picks it), held here.
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False
+        )
+        address = ("127.0.0.1", int(self._store.port))
+        ctx = mp.get_context("spawn")
+        self._commands: list[Any] = []
+        self._answers: list[Connection] = []
+        self._processes: list[Any] = []
+        for rank in range(num_ranks):
+            commands = ctx.Queue()
+            answers, answer_end = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=serve, name=f"turnrl-learner-rank{rank}", daemon=True,
+                args=(rank, num_ranks, address, spec, commands, answer_end, os.getpid()),
+            )  # fmt: skip
+            process.start()
+            answer_end.close()
+            self._commands.append(commands)
+            self._answers.append(answers)
+            self._processes.append(process)
+        self._finalizer = weakref.finalize(self, _kill, list(self._processes))
+        self._await("start", start_timeout_s)
+
+    # ------------------------------------------------------------------ the learner's calls
+
+    def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
+        """One update from a batch (split into ranks' shards, then each into micro-batches
+        of ``micro_batch.size``) or from given micro-batches (each split across the ranks)."""
+        shards = split_batch(batch, self.num_ranks)
+        metrics: dict[str, float] = self._call("step", [(s,) for s in shards])[0]
+        return metrics
+
+    def step_samples(
+        self,
+        samples: Sequence[Sample],
+        advantages: Sequence[float | Sequence[float]],
+        pad_id: int,
+    ) -> dict[str, float]:
+        """One update from token-exact samples, shared among the ranks by token count
+        (``Learner.step_samples`` on each)."""
+        if len(samples) != len(advantages):
+            raise ValueError("one advantage per sample is required")
+        if not samples:
+            raise ValueError("cannot step on no samples")
+        shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
+        args = [([samples[i] for i in s], [advantages[i] for i in s], pad_id) for s in shards]
+        metrics: dict[str, float] = self._call("step_samples", args)[0]
+        return metrics
+
+    def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:
+        """``Learner.sampler_gap`` over all samples (each rank scores its share)."""
+        shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
+        gaps = self._call("sampler_gap", [([samples[i] for i in s], pad_id) for s in shards])
+        return max(float(g) for g in gaps)
+
+    def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
+        """``Learner.reference_kl`` over all samples, in their order."""
+        shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
+        parts = self._call("reference_kl", [([samples[i] for i in s], pad_id) for s in shards])
+        out: list[list[float]] = [[] for _ in samples]
+        for shard, part in zip(shards, parts, strict=True):
+            for i, kl in zip(shard, part, strict=True):
+                out[i] = kl
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights, gathered from the shards (on the CPU): what an
+        inference engine loads to sample with the new policy."""
+        weights: dict[str, torch.Tensor] = self._call("full_state_dict", [()] * self.num_ranks)[0]
+        return weights
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, whole (not sharded): ``{"model": weights,
+        "optimizer": state}``, the optimizer's state keyed by parameter name (the format of
+        ``torch.distributed.checkpoint.state_dict``); loadable by a group of any size."""
+        state: dict[str, Any] = self._call("state_dict", [()] * self.num_ranks)[0]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned (each rank reads it through shared memory and
+        keeps its shard)."""
+        self._call("load_state_dict", [(state,)] * self.num_ranks)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(learner, *args)`` on every rank (``learner``: that rank's
+        ``ShardedLearner``), the answers in rank order; ``fn`` must be picklable (a module's
+        function). For tests and extensions; collectives in ``fn`` run on every rank."""
+        return self._call(f"call {getattr(fn, '__name__', 'fn')}", [(fn, *args)] * self.num_ranks)
+
+    # ----------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Ask the ranks to leave the group, then stop any that has not (none outlives it)."""
+        if self._closed:
+            return
+        self._closed = True
+        for commands in self._commands:
+            commands.put(("close", ()))
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self._release()
+
+    def __enter__(self) -> LearnerGroup:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return [int(p.pid) for p in self._processes]
+
+    # ----------------------------------------------------------------------- internals
+
+    def _call(self, name: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if self._closed:
+            raise TurnrlError("this LearnerGroup is closed (after close() or a rank's failure)")
+        kind = name.split(" ")[0]
+        self._calls[kind] += 1
+        label = f"{name} {self._calls[kind]}" if kind == name else name
+        command = name if kind != "call" else "call"
+        for commands, rank_args in zip(self._commands, args, strict=True):
+            commands.put((command, rank_args))  # a feeder thread writes: never blocks here
+        return self._await(label, self.timeout_s)
+
+    def _await(self, label: str, timeout_s: float) -> list[Any]:
+        """Each rank's answer to the call ``label``, or a ``LearnerRankError`` (and the
+        group stopped) when one fails, dies or misses the deadline."""
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, Any] = {}
+        pending = set(range(self.num_ranks))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted(pending)
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {_listed(late)}"
+                self._fail(f"{who} did not answer {label} within {timeout_s:g} s", late, label)
+            sentinels = [p.sentinel for p in self._processes]
+            ready = wait([self._answers[r] for r in sorted(pending)] + sentinels, remaining)
+            for rank in sorted(pending):
+                if self._answers[rank] not in ready:
+                    continue
+                try:
+                    status, value = self._answers[rank].recv()
+                except (EOFError, OSError):
+                    break  # the rank is gone: its death is reported below
+                if status == "error":
+                    self._rank_failed(rank, value, label)
+                results[rank] = value
+                pending.discard(rank)
+            dead = self._dead()
+            if dead:
+                self._fail(self._deaths(dead, label), dead, label)
+        return [results[r] for r in range(self.num_ranks)]
+
+    def _rank_failed(self, rank: int, text: str, label: str) -> None:
+        """A rank raised: name a rank that died meanwhile as the cause, else this one."""
+        wait([p.sentinel for p in self._processes], FAILURE_GRACE_S)
+        dead = self._dead()
+        last = text.strip().splitlines()[-1] if text.strip() else "an error"
+        if dead:
+            message = f"{self._deaths(dead, label)}; rank {rank} then failed: {last}"
+            self._fail(message, dead, label)
+        self._fail(f"rank {rank} failed in {label}: {last}\n{text}", [rank], label)
+
+    def _dead(self) -> list[int]:
+        return [r for r, p in enumerate(self._processes) if p.exitcode is not None]
+
+    def _deaths(self, dead: list[int], label: str) -> str:
+        return "; ".join(
+            f"rank {r} died (exit code {self._processes[r].exitcode}) during {label}" for r in dead
+        )
+
+    def _fail(self, message: str, ranks: Sequence[int], label: str) -> None:
+        """Stop every rank (a failed step cannot be continued) and raise."""
+        self._closed = True
+        _kill(self._processes)
+        self._release()
+        raise LearnerRankError(message, ranks=ranks, call=label)
+
+    def _release(self) -> None:
+        _kill(self._processes)
+        for commands in self._commands:
+            commands.cancel_join_thread()  # a dead rank never reads what is queued for it
+            commands.close()
+        for answers in self._answers:
+            answers.close()
+        self._finalizer.detach()
+
+
+def _kill(processes: Sequence[Any]) -> None:
+    """Kill and reap every process still running (a hung collective ignores anything
+    gentler; a stopped process too)."""
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+    for process in processes:
+        process.join(5.0)
+
+
+def _listed(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _chosen_device(device: str, num_ranks: int) -> str:
+    if device == "auto":
+        usable = torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks
+        return "cuda" if usable else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and torch.cuda.device_count() < num_ranks:
+        raise ValueError(
+            f"{num_ranks} ranks need {num_ranks} GPUs, found {torch.cuda.device_count()}"
+        )
+    return device
+
+
+def _num_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def shard_by_tokens(lengths: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Indices of ``lengths`` in ``num_shards`` shards of about equal total length: longest
+    first, each to the shard with the fewest tokens so far; each shard in index order."""
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    load = [0] * num_shards
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(num_shards), key=lambda k: (load[k], k))
+        shards[k].append(i)
+        load[k] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def split_batch(batch: Batch | Sequence[Batch], num_shards: int) -> list[Batch | list[Batch]]:
+    """Each rank's share: of one batch, a contiguous block of its rows (the rank cuts it
+    into micro-batches); of given micro-batches, a block of the rows of each. Shares
+    differ by at most one row per batch; a share may be empty (an empty list)."""
+
+    def rows(b: Batch, k: int) -> slice:
+        return slice(b.num_sequences * k // num_shards, b.num_sequences * (k + 1) // num_shards)
+
+    if isinstance(batch, Batch):
+        return [
+            batch.select(rows(batch, k)) if rows(batch, k).start < rows(batch, k).stop else []
+            for k in range(num_shards)
+        ]
+    return [
+        [mb.select(rows(mb, k)) for mb in batch if rows(mb, k).start < rows(mb, k).stop]
+        for k in range(num_shards)
+    ]

@@ -1,0 +1,393 @@
+"""One rank of a ``LearnerGroup``: a process that holds a shard of the model under FSDP2
+and runs the in-process learner's update on its shard of each batch.
+
+What lives here: the rank's process (set-up, then a loop answering the driver's calls),
+``ShardedLearner`` (the ``Learner`` with the batch's normalisers and metrics taken over all
+ranks) and the view of the FSDP2 model that the learner's forward code calls. The loss,
+the reductions and the optimizer step are the ``Learner``'s own (trainer/learner.py);
+nothing of the math is repeated here. The driver side is learner_group.py.
+
+Why the model is sharded as one FSDP2 unit, called through its root: the learner's forward
+code (trainer/forward.py) calls ``model.base_model`` once or twice per micro-batch (twice
+when the rows share a prefix, which depends on the data) and the output layer on its own.
+FSDP2 gathers a unit's parameters in the unit's forward hook and reduces its gradients
+after its backward, so every rank must run the same sequence of unit calls. Here each call
+of ``base_model`` goes through the root's forward; the root keeps its gathered parameters
+until its backward, so a second call in the same micro-batch gathers nothing, and the
+gradients are reduce-scattered once per backward. Every rank runs the same number of
+micro-batches (empty ones are added where a rank has fewer), so the collectives line up
+whatever the data. The cost: a rank holds the whole model's parameters while it computes
+(sharded at rest: parameters, gradients and optimizer state, ZeRO-3-like between steps).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from turnrl.backends.hf_cache import cache_kwargs, returned_cache
+from turnrl.errors import ConfigError
+from turnrl.models import load_model
+from turnrl.rollout.batch import Batch
+from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.learner import Learner, Norms
+from turnrl.types import Sample
+
+ModelSource = str | Path | Callable[[], Any]
+"""A model directory (loaded with ``turnrl.models.load_model``) or a picklable function
+returning the model (each rank calls it: it must give every rank the same weights)."""
+
+SUMMED = ("loss/policy", "loss/kl")
+"""Metrics each rank computes as its part of the whole batch's value (the global
+normaliser is already in them): summed over ranks."""
+MAXED = ("train/logprob_mismatch_max",)
+SAME = ("train/grad_norm",)
+"""Already global: the gradient norm over the sharded gradients of all ranks."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to start, sent by the driver."""
+
+    model: ModelSource
+    config: AlgorithmConfig
+    temperature: float
+    max_length: int
+    device: str  # "cpu" or "cuda"
+    autocast: torch.dtype | None
+    seed: int
+    num_threads: int  # torch's threads on this rank; 0: torch's default
+    collective_timeout_s: float
+
+
+class RootCall:
+    """The FSDP2 model as the learner's forward code sees it: ``base_model(...)`` runs the
+    whole model's forward (so FSDP2's hooks gather and reduce), with the output layer on
+    only the last position (``logits_to_keep=1``: almost free), and returns the base
+    model's last hidden states; every other attribute is the model's own."""
+
+    def __init__(self, root: Any) -> None:
+        self._root = root
+        self.base_model = _BaseThroughRoot(root)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._root, name)
+
+
+@dataclass(frozen=True)
+class _BaseOutput:
+    last_hidden_state: torch.Tensor
+    cache: Any
+
+
+class _BaseThroughRoot:
+    """``RootCall.base_model``: a call of the base model made through the root's forward."""
+
+    def __init__(self, root: Any) -> None:
+        self._root = root
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return bool(getattr(self._root.base_model, "gradient_checkpointing", False))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache: Any = None,
+    ) -> _BaseOutput:
+        """Declared with ``cache``, so ``hf_cache.cache_kwargs`` passes the cache by that
+        name; it is handed on in the spelling the model's own class declares."""
+        extra = cache_kwargs(self._root.base_model, cache) if cache is not None else {}
+        out = self._root(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=use_cache, output_hidden_states=True, logits_to_keep=1, **extra,
+        )  # fmt: skip
+        # The last hidden state is an output of the root's forward: FSDP2's backward hook
+        # on the root's outputs fires from it (the logits are not used).
+        cache_out = returned_cache(out) if use_cache else None
+        return _BaseOutput(last_hidden_state=out.hidden_states[-1], cache=cache_out)
+
+    __call__ = forward
+
+
+class ShardedLearner(Learner):
+    """The ``Learner`` on one rank's shard of a batch: the loss is normalised by the whole
+    batch's token and sequence counts (summed over ranks), FSDP2 sums the gradients over
+    ranks (no averaging), so the update equals the one-process update; the metrics are
+    combined over ranks to the values one process would report."""
+
+    def __init__(self, root: Any, config: AlgorithmConfig, **kwargs: Any) -> None:
+        if config.advantage == "gae":
+            raise ConfigError("a LearnerGroup has no critic yet: algorithm.advantage = 'gae'")
+        super().__init__(RootCall(root), config, **kwargs)
+        self.root = root
+        self._norms: Norms | None = None
+
+    def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
+        """``Learner.step`` on this rank's shard (``batch``: rows to cut into micro-batches,
+        or micro-batches; either may be empty), with the global normalisers; the metrics
+        are the whole batch's, the same on every rank."""
+        cfg = self.config
+        if isinstance(batch, Batch):
+            micro = [
+                batch.select(slice(s, s + cfg.micro_batch.size))
+                for s in range(0, batch.num_sequences, cfg.micro_batch.size)
+            ]
+        else:
+            micro = list(batch)
+        micro = [mb.to(self.device) for mb in micro]
+        tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
+        counts = torch.tensor(
+            [
+                tokens,
+                sum(float(mb.loss_mask.any(-1).sum()) for mb in micro),
+                float(sum(mb.num_sequences for mb in micro)),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(counts)
+        num_micro = torch.tensor([len(micro)], device=self.device)
+        dist.all_reduce(num_micro, op=dist.ReduceOp.MAX)
+        # Empty micro-batches (nothing to learn from: zero gradient) keep the ranks'
+        # collectives in step.
+        micro += [empty_batch(self.device)] * (int(num_micro) - len(micro))
+        num_tokens = counts[0].clamp(min=1).float()
+        self._norms = (num_tokens, counts[1].clamp(min=1).float())
+        try:
+            local = super().step(micro)
+        finally:
+            self._norms = None
+        return combined_metrics(local, tokens, float(num_tokens), counts, self.device)
+
+    def _reduce(self, per_token: torch.Tensor, mask: torch.Tensor, norms: Norms) -> torch.Tensor:
+        """The learner's reduction with the whole batch's normalisers, not this rank's."""
+        return super()._reduce(per_token, mask, self._norms if self._norms is not None else norms)
+
+
+def empty_batch(device: torch.device) -> Batch:
+    """One row of two padding tokens with nothing to learn from (loss mask 0)."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    zeros = torch.zeros((1, 2), device=device)
+    return Batch(ids, torch.ones_like(ids), ids.bool(), zeros, zeros)
+
+
+def combined_metrics(
+    local: dict[str, float],
+    local_tokens: float,
+    num_tokens: float,
+    counts: torch.Tensor,
+    device: torch.device,
+) -> dict[str, float]:
+    """The step's metrics over all ranks, as one process would report them: parts of the
+    loss summed, the largest gap the largest of all, the grad norm as it is (global), and
+    the rest (means over this rank's sampled tokens) weighted by each rank's tokens."""
+    keys = sorted(k for k in local if k not in (*SUMMED, *MAXED, *SAME) and "/num_" not in k)
+    summed = [local[k] for k in SUMMED] + [local[k] * local_tokens / num_tokens for k in keys]
+    sums = torch.tensor(summed, dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    maxima = torch.tensor([local[k] for k in MAXED], dtype=torch.float64, device=device)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    out = dict(local)
+    out.update(zip([*SUMMED, *keys], sums.tolist(), strict=True))
+    out.update(zip(MAXED, maxima.tolist(), strict=True))
+    out["train/num_tokens"] = float(counts[0])
+    out["train/num_sequences"] = float(counts[2])
+    return out
+
+
+# ----------------------------------------------------------------------- the rank process
+
+
+def build_learner(spec: RankSpec, rank: int, world: int) -> ShardedLearner:
+    """This rank's model under FSDP2 (one unit, gradients summed over ranks) and its
+    learner; with a KL in the loss, a frozen unsharded reference loaded the same way."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = load(spec.model).to(device)
+    reference = load(spec.model).to(device) if spec.config.kl.coef > 0 else None
+    mesh = init_device_mesh(device.type, (world,))
+    fully_shard(model, mesh=mesh)
+    # Each rank's loss already carries the whole batch's normaliser: sum, do not average.
+    # (Sum-only reductions: gloo has no pre-multiplied sum.)
+    model.set_gradient_divide_factor(1.0)
+    model.set_force_sum_reduction_for_comms(True)
+    return ShardedLearner(
+        model, spec.config, temperature=spec.temperature, reference=reference,
+        max_length=spec.max_length, autocast=spec.autocast,
+    )  # fmt: skip
+
+
+def load(source: ModelSource) -> Any:
+    if callable(source):
+        return source()
+    return load_model(source)
+
+
+def gathered(learner: ShardedLearner, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the model's parameters gathered once on every rank first (one
+    collective for all ranks, whatever each then runs) and sharded again after."""
+    learner.root.unshard()
+    try:
+        return fn()
+    finally:
+        learner.root.reshard()
+
+
+def full_state_dict(learner: ShardedLearner) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0, on the CPU (other ranks: empty)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights: dict[str, torch.Tensor] = copied(get_model_state_dict(learner.root, options=options))
+    return weights
+
+
+def state_dict(learner: ShardedLearner) -> dict[str, Any]:
+    """Model and optimizer state, whole, on rank 0 (optimizer state keyed by parameter
+    name)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    fresh = not learner.optimizer.state
+    model, optimizer = get_state_dict(learner.root, learner.optimizer, options=options)
+    if fresh:
+        # Reading the state of an optimizer that has not stepped makes its state (a zero
+        # step taken, which changes Adam's next update): undo that, say it is fresh.
+        learner.optimizer.state.clear()
+        optimizer = {**optimizer, "state": {}}
+    state: dict[str, Any] = copied({"model": model, "optimizer": optimizer})
+    return state
+
+
+def copied(value: Any) -> Any:
+    """``value`` with every tensor copied. What a rank sends goes through shared memory,
+    and a state dict may hold the live tensors themselves (the optimizer's step count; with
+    one rank, the weights): the driver must get a snapshot, not a view of them."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(copied(v) for v in value)
+    return value
+
+
+def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
+    """Load ``state_dict``'s output (every rank is given all of it). It is copied first:
+    the optimizer would otherwise keep the given tensors (its step count), which are the
+    driver's, through shared memory."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = copied(state)
+    options = StateDictOptions(full_state_dict=True)
+    set_state_dict(
+        learner.root, learner.optimizer, model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"], options=options,
+    )  # fmt: skip
+    if not state["optimizer"]["state"]:  # a fresh optimizer's: fresh again
+        learner.optimizer.state.clear()
+
+
+def sampler_gap(learner: ShardedLearner, samples: Sequence[Sample], pad_id: int) -> float:
+    return float(gathered(learner, lambda: learner.sampler_gap(samples, pad_id)))
+
+
+def reference_kl(
+    learner: ShardedLearner, samples: Sequence[Sample], pad_id: int
+) -> list[list[float]]:
+    # The reference is an unsharded copy on each rank: no collectives.
+    return learner.reference_kl(samples, pad_id) if samples else []
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "step": lambda learner, batch: learner.step(batch),
+    "step_samples": lambda learner, samples, advantages, pad_id: learner.step_samples(
+        samples, advantages, pad_id
+    ),
+    "sampler_gap": sampler_gap,
+    "reference_kl": reference_kl,
+    "full_state_dict": full_state_dict,
+    "state_dict": state_dict,
+    "load_state_dict": load_state_dict,
+    "call": lambda learner, fn, *args: fn(learner, *args),
+}
+"""What the driver may ask a rank: name -> fn(learner, *args)."""
+
+
+def serve(
+    rank: int,
+    world: int,
+    store_address: tuple[str, int],
+    spec: RankSpec,
+    commands: Any,
+    answers: Connection,
+    parent_pid: int,
+) -> None:
+    """A rank's process: join the group, build the learner, answer the driver's calls
+    (``commands``: (name, args) items; each answer is ("ok", value) or ("error", text))
+    until ("close", ()) or until the driver is gone."""
+    _exit_with_parent(parent_pid)
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    torch.manual_seed(spec.seed)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        host, port = store_address
+        store = dist.TCPStore(host, port, is_master=False)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "nccl" if spec.device == "cuda" else "gloo", store=store, rank=rank,
+            world_size=world, timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+        )  # fmt: skip
+        learner = build_learner(spec, rank, world)
+    except BaseException:
+        answers.send(("error", traceback.format_exc()))
+        return
+    answers.send(("ok", None))
+    while True:
+        try:
+            name, args = commands.get()
+        except (EOFError, OSError):
+            break
+        if name == "close":
+            break
+        try:
+            answers.send(("ok", COMMANDS[name](learner, *args)))
+        except BaseException:
+            answers.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once when the driver's process is gone (even mid-collective): a rank never
+    outlives its group."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="turnrl-parent-watch").start()
+
+
+__all__ = ["COMMANDS", "ModelSource", "RankSpec", "RootCall", "ShardedLearner", "serve"]

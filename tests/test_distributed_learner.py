@@ -1,0 +1,275 @@
+"""The LearnerGroup against the in-process Learner: real rank processes, real
+torch.distributed (gloo, CPU), the tiny model. Two ranks give the one-process gradient,
+update and metrics; the gathered weights are the model's; the checkpoint state round-trips
+(across group sizes too); a rank that dies, hangs or raises is named with the call, within
+the deadline, and no rank process outlives the group."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from test_learner import algo
+from turnrl.distributed import LearnerGroup, LearnerRankError
+from turnrl.distributed.learner_group import shard_by_tokens, split_batch
+from turnrl.distributed.rank import ShardedLearner
+from turnrl.errors import TurnrlError
+from turnrl.models import load_model
+from turnrl.rollout.batch import Batch, pack
+from turnrl.trainer.learner import Learner
+from turnrl.types import Sample
+
+# A sequence-mean reduction (the global sequence count matters, not only the token
+# count), micro-batches of 2 (ranks get different numbers of them), an entropy bonus and a
+# KL to the reference in the loss: every place a normaliser enters.
+CONFIG = algo(
+    lr=1e-4, loss_reduction="seq_mean_token_mean", micro_batch__size=2, entropy_coef=0.01,
+    kl__coef=0.05,
+)  # fmt: skip
+TEMPERATURE = 0.9
+VOCAB = 1000
+
+
+def samples(n: int, seed: int) -> list[Sample]:
+    """``n`` samples of 20-40 tokens sharing a 12-token prompt (so the learner runs the
+    shared prefix once), the loss on the completion, a few masked tokens in between."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(12)]
+    out = []
+    for _ in range(n):
+        ids = prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randint(8, 28))]
+        mask = [0] * 14 + [1] * (len(ids) - 14)
+        mask[16:18] = [0, 0]  # a tool's output inside the completion
+        logprobs = [-rng.uniform(0.5, 8.0) if m else 0.0 for m in mask]
+        out.append(Sample(tuple(ids), tuple(mask), tuple(logprobs)))
+    return out
+
+
+def advantages(n: int) -> list[float]:
+    return [(-1.0) ** i * (0.25 + 0.1 * i) for i in range(n)]
+
+
+def batch(n: int = 5, seed: int = 0) -> Batch:
+    return pack(samples(n, seed), advantages(n), pad_id=0)
+
+
+def full_grads(learner: ShardedLearner) -> dict[str, torch.Tensor]:
+    """On every rank: the gradients of the last step, whole (a collective)."""
+    out = {}
+    for name, p in learner.root.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = grad.clone()
+    return out
+
+
+def raise_value_error(learner: ShardedLearner) -> None:
+    raise ValueError("raised on purpose")
+
+
+def in_process(model_dir: Path) -> Learner:
+    return Learner(load_model(model_dir), CONFIG, temperature=TEMPERATURE)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir: Path) -> Iterator[dict[int, tuple[LearnerGroup, dict[str, Any]]]]:
+    """A 1-rank and a 2-rank group, each with its state at the start (tests load it
+    first: the groups are shared)."""
+    made: dict[int, tuple[LearnerGroup, dict[str, Any]]] = {}
+    try:
+        for n in (1, 2):
+            group = LearnerGroup(
+                tiny_model_dir, CONFIG, num_ranks=n, temperature=TEMPERATURE, timeout_s=60
+            )
+            made[n] = (group, group.state_dict())
+        yield made
+    finally:
+        for group, _ in made.values():
+            group.close()
+
+
+def fresh(groups: dict[int, tuple[LearnerGroup, dict[str, Any]]], n: int) -> LearnerGroup:
+    group, start = groups[n]
+    group.load_state_dict(start)
+    return group
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_the_gradient_and_metrics_equal_the_in_process_learners(
+    groups: Any, tiny_model_dir: Path, num_ranks: int
+) -> None:
+    reference = in_process(tiny_model_dir)
+    reference.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # keep the weights
+    b = batch()
+    expected = reference.step(b)
+    expected_grads = {n: p.grad for n, p in reference.model.named_parameters()}
+
+    group = fresh(groups, num_ranks)
+    got = group.step(b)
+    grads = group.call(full_grads)
+
+    for rank_grads in grads:  # every rank holds the same whole gradient
+        assert max_diff(rank_grads, expected_grads) < 1e-5
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert got["loss/kl"] != 0.0 or expected["loss/kl"] == 0.0
+
+
+def test_step_samples_equals_the_in_process_update(groups: Any, tiny_model_dir: Path) -> None:
+    """Samples shared among ranks by tokens, micro-batched on each (one rank has more
+    micro-batches): the weights after the update are the in-process learner's."""
+    reference = in_process(tiny_model_dir)
+    s, adv = samples(7, seed=1), advantages(7)
+    expected = reference.step_samples(s, adv, pad_id=0)
+    got = fresh(groups, 2).step_samples(s, adv, pad_id=0)
+    assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+    assert got["train/num_tokens"] == expected["train/num_tokens"]
+    weights = groups[2][0].full_state_dict()
+    assert max_diff(weights, reference.model.state_dict()) < 1e-5
+
+
+def test_a_rank_without_data_steps_in_time(groups: Any, tiny_model_dir: Path) -> None:
+    """One sequence, two ranks: rank 1 runs empty micro-batches (zero gradient) and the
+    update is the one-process update."""
+    reference = in_process(tiny_model_dir)
+    b = batch(1, seed=2)
+    expected = reference.step(b)
+    got = fresh(groups, 2).step(b)
+    assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+    assert got["train/num_sequences"] == 1.0
+    assert max_diff(groups[2][0].full_state_dict(), reference.model.state_dict()) < 1e-5
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_gathered_weights_equal_the_in_process_model_after_a_step(
+    groups: Any, tiny_model_dir: Path, num_ranks: int
+) -> None:
+    reference = in_process(tiny_model_dir)
+    group = fresh(groups, num_ranks)
+    before = group.full_state_dict()
+    assert max_diff(before, reference.model.state_dict()) == 0.0
+    reference.step(batch())
+    group.step(batch())
+    after = group.full_state_dict()
+    assert max_diff(after, reference.model.state_dict()) < 1e-5
+    assert max_diff(after, before) > 1e-5  # the step did change the weights
+    # A snapshot: the next step does not change what the driver was given.
+    kept = {k: v.clone() for k, v in after.items()}
+    group.step(batch(seed=3))
+    assert max_diff(after, kept) == 0.0
+
+
+def test_sampler_gap_and_reference_kl_equal_the_in_process_learners(
+    groups: Any, tiny_model_dir: Path
+) -> None:
+    reference = in_process(tiny_model_dir)
+    group = fresh(groups, 2)
+    reference.step(batch())
+    group.step(batch())
+    s = samples(3, seed=4)
+    assert group.sampler_gap(s, 0) == pytest.approx(reference.sampler_gap(s, 0), rel=1e-5)
+    assert group.sampler_gap(s[:1], 0) == pytest.approx(reference.sampler_gap(s[:1], 0), rel=1e-5)
+    got, expected = group.reference_kl(s, 0), reference.reference_kl(s, 0)
+    assert [len(k) for k in got] == [len(k) for k in expected]
+    flat = [x for k in got for x in k]
+    assert flat == pytest.approx([x for k in expected for x in k], abs=1e-6)
+    assert max(flat) > 0  # the policy moved away from the reference
+
+
+def test_checkpoint_state_round_trips_across_group_sizes(groups: Any) -> None:
+    two = fresh(groups, 2)
+    two.step(batch())
+    state = two.state_dict()
+    assert set(state) == {"model", "optimizer"}
+    assert max_diff(state["model"], two.full_state_dict()) == 0.0
+    two.step(batch(seed=5))
+    expected = two.full_state_dict()
+
+    two.load_state_dict(state)
+    two.step(batch(seed=5))
+    assert max_diff(two.full_state_dict(), expected) == 0.0
+
+    one = groups[1][0]
+    one.load_state_dict(state)
+    one.step(batch(seed=5))
+    assert max_diff(one.full_state_dict(), expected) < 1e-5
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_killed_rank_is_named_within_the_deadline(tiny_model_dir: Path) -> None:
+    group = LearnerGroup(tiny_model_dir, CONFIG, num_ranks=2, temperature=1.0, timeout_s=30)
+    pids = group.pids
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(LearnerRankError, match=r"rank 1 died \(exit code -9\) during step 1") as e:
+        group.step(batch())
+    assert time.monotonic() - t0 < 30
+    assert e.value.ranks == (1,)
+    assert e.value.call == "step 1"
+    assert_gone(pids)
+    with pytest.raises(TurnrlError, match="closed"):
+        group.step(batch())
+
+
+def test_a_hung_rank_misses_the_deadline_and_the_group_stops(tiny_model_dir: Path) -> None:
+    group = LearnerGroup(tiny_model_dir, CONFIG, num_ranks=2, temperature=1.0, timeout_s=30)
+    pids = group.pids
+    group.step(batch())
+    group.timeout_s = 2.0
+    os.kill(pids[1], signal.SIGSTOP)  # frozen: alive, silent; rank 0 waits for it
+    t0 = time.monotonic()
+    with pytest.raises(LearnerRankError, match=r"did not answer step 2 within 2 s") as e:
+        group.step(batch())
+    assert 2.0 <= time.monotonic() - t0 < 10.0
+    assert 1 in e.value.ranks
+    assert_gone(pids)
+
+
+def test_an_error_on_a_rank_is_named_with_its_cause(tiny_model_dir: Path) -> None:
+    group = LearnerGroup(tiny_model_dir, CONFIG, num_ranks=1, temperature=1.0, timeout_s=30)
+    pids = group.pids
+    with pytest.raises(LearnerRankError, match="rank 0 failed in call raise_value_error") as e:
+        group.call(raise_value_error)
+    assert "ValueError: raised on purpose" in str(e.value)
+    assert_gone(pids)
+
+
+def test_a_critic_is_refused_at_start(tiny_model_dir: Path) -> None:
+    with pytest.raises(LearnerRankError, match=r"rank 0 failed in start: .*ConfigError.*critic"):
+        LearnerGroup(tiny_model_dir, algo(advantage="gae"), num_ranks=1, temperature=1.0)
+
+
+def test_shards_balance_tokens_and_cover_every_item() -> None:
+    lengths = [50, 10, 40, 30, 20, 5]
+    shards = shard_by_tokens(lengths, 2)
+    assert sorted(i for s in shards for i in s) == list(range(6))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert abs(loads[0] - loads[1]) <= 5
+    assert shard_by_tokens([7], 3) == [[0], [], []]
+
+    b = batch(5)
+    halves = split_batch(b, 2)
+    assert [h.num_sequences for h in halves if isinstance(h, Batch)] == [2, 3]
+    micro = split_batch([b.select(slice(0, 1)), b.select(slice(1, 5))], 2)
+    assert [[m.num_sequences for m in part] for part in micro if isinstance(part, list)] == [
+        [2],
+        [1, 2],
+    ]
