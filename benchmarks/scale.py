@@ -1,4 +1,7 @@
-"""Beyond one process: what a learner step and a weight gather cost with 1 and 2 ranks.
+"""Beyond one process: what a learner step and a weight gather cost with 1 and 2 ranks;
+what asynchronous training saves.
+
+Section ``learner``:
 
 For each model, side by side in one run (the learners take turns, so drift in the
 machine's speed hits them alike): one learner step (``step_samples``: forward, backward,
@@ -10,7 +13,16 @@ Models: the tests' tiny model shape (hidden 64 x 2 layers, random weights) and o
 10x larger (hidden 192 x 5 layers), float32 on the CPU. On this 2-core machine the
 2-rank group has one core per rank: it shows the overhead of ranks, not a speed-up.
 
+Section ``async``: the same run trained synchronously (``algorithm.max_staleness = 0``)
+and asynchronously (``= 1``: the next step's rollout overlaps this step's update), one
+after the other in one process: the quick-start's tiny model after a short warm-up (so it
+calls the tool), secret-lookup with a lookup that takes ``--tool-latency`` seconds (500 ms),
+8 x 8 episodes a step, and ``--epochs`` learner epochs per batch, chosen so that the update
+takes about as long as the rollout. Reported: the median step, rollout and update times over
+the steps after the second, and the ratio async / sync (the issue's target: at most 0.6).
+
     python benchmarks/scale.py
+    python benchmarks/scale.py --sections async
     python benchmarks/scale.py --smoke       # the tiny model only, one timed round
 
 Writes benchmarks/results/scale.json and .md (``--out``; ``--smoke``: a temporary
@@ -124,21 +136,77 @@ def measure(directory: Path, batch: list[Sample], repeats: int) -> dict[str, Any
     }
 
 
+ASYNC_RUN = [
+    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.vocab_size=512",
+    "model.echo_steps=0", "warmup.steps=60", "rollout.prompts_per_step=8",
+    "rollout.group_size=8", "rollout.max_turns=2", "rollout.max_tokens_per_turn=24",
+    "eval.every=1000", "eval.num_tasks=8", "save_every=1000", "max_minutes=0", "threads=2",
+]  # fmt: skip
+"""The async section's run (with ``env.latency_s``, ``algorithm.epochs``, ``steps``)."""
+
+
+def async_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The same run with max_staleness 0 and 1: median step/rollout/update seconds."""
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    out: dict[str, Any] = {
+        "tool_latency_s": args.tool_latency, "epochs": args.epochs, "steps": args.async_steps,
+    }  # fmt: skip
+    keys = ("perf/step_s", "perf/rollout_s", "perf/train_s")
+    with tempfile.TemporaryDirectory(prefix="scale-async-") as tmp:
+        for k in (0, 1):
+            settings = [
+                *ASYNC_RUN, f"env.latency_s={args.tool_latency}", f"algorithm.epochs={args.epochs}",
+                f"steps={args.async_steps}", f"algorithm.max_staleness={k}",
+            ]  # fmt: skip
+            if args.smoke:
+                settings += ["warmup.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
+            rows = train(
+                load_config("quickstart", settings), Path(tmp) / f"k{k}", progress=False
+            ).rows
+            timed = [r for r in rows if "perf/step_s" in r][2:] or [
+                r for r in rows if "perf/step_s" in r
+            ]
+            out[f"k{k}"] = {
+                key.split("/")[1]: statistics.median(r[key] for r in timed) for key in keys
+            }
+            out[f"k{k}"]["timed_steps"] = len(timed)
+            out[f"k{k}"]["tool_calls_mean"] = statistics.mean(
+                r["rollout/tool_calls_mean"] for r in timed
+            )
+            print(f"max_staleness={k}", json.dumps(out[f"k{k}"]), flush=True)
+    out["ratio"] = out["k1"]["step_s"] / out["k0"]["step_s"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", nargs="+", default=["learner", "async"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=16)
-    args = parse_args(parser, "scale", {"repeats": 1, "samples": 8})
+    parser.add_argument("--tool-latency", type=float, default=0.5)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--async-steps", type=int, default=10)
+    smoke = {"repeats": 1, "samples": 8, "tool_latency": 0.05, "epochs": 1, "async_steps": 3}
+    args = parse_args(parser, "scale", smoke)
     batch = samples(args.samples)
     load_before = os.getloadavg()[0]
     rows = []
+    previous = args.out.with_suffix(".json")
+    kept = json.loads(previous.read_text()) if previous.is_file() and not args.smoke else {}
     with tempfile.TemporaryDirectory(prefix="scale-models-") as tmp:
-        for name, hidden, layers, width in MODELS[:1] if args.smoke else MODELS:
+        for name, hidden, layers, width in (
+            [] if "learner" not in args.sections else MODELS[:1] if args.smoke else MODELS
+        ):
             directory = Path(tmp) / f"h{hidden}x{layers}"
             params = save_model(directory, hidden, layers, width)
             row = {"model": name, "params": params, **measure(directory, batch, args.repeats)}
             rows.append(row)
             print(name, json.dumps({k: v for k, v in row.items() if k != "model"}), flush=True)
+    asynchronous = async_section(args) if "async" in args.sections else kept.get("async")
+    if "learner" not in args.sections:  # a section not re-run keeps its last figures
+        rows = kept.get("rows", [])
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -149,7 +217,8 @@ def main() -> None:
         "tokens": sum(len(s.input_ids) for s in batch),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    data = {**meta, "rows": rows, **({"async": asynchronous} if asynchronous else {})}
+    args.out.with_suffix(".json").write_text(json.dumps(data, indent=2))
     lines = [
         "# Learner across ranks",
         "",
@@ -181,6 +250,25 @@ def main() -> None:
         "engines is not measured here). Start: spawning the ranks, importing, loading the "
         "model and sharding it.",
     ]
+    if asynchronous:
+        a = asynchronous
+        lines += [
+            "",
+            f"## Asynchronous training ({a['tool_latency_s'] * 1000:.0f} ms tool, "
+            f"{a['epochs']} learner epochs a batch, {a['steps']} steps each)",
+            "",
+            "| max_staleness | step s | rollout s | update s | tool calls / episode |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {k} | {a[f'k{k}']['step_s']:.2f} | {a[f'k{k}']['rollout_s']:.2f} | "
+                f"{a[f'k{k}']['train_s']:.2f} | {a[f'k{k}']['tool_calls_mean']:.2f} |"
+                for k in (0, 1)
+            ),
+            "",
+            f"Step time, async / sync: **{a['ratio']:.2f}x** (target: at most 0.6x). With "
+            "max_staleness 1 the update column is the step's time not spent waiting for the "
+            "batch collected ahead; the rollout ran beside the previous update.",
+        ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

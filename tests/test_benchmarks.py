@@ -252,6 +252,9 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert set(row["gather_s"]) == set(row["start_s"]) == {"1 rank", "2 ranks"}
     for times in (row["step_s"], row["gather_s"], row["start_s"]):
         assert all(s > 0 for s in times.values())
+    a = data["async"]
+    assert a["k0"]["timed_steps"] == a["k1"]["timed_steps"] >= 1
+    assert a["ratio"] == pytest.approx(a["k1"]["step_s"] / a["k0"]["step_s"])
 
 
 CHECKS: dict[str, Check] = {

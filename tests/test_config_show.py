@@ -110,3 +110,24 @@ def test_an_old_and_a_new_name_together_are_refused(tmp_path: Path) -> None:
         load_config(str(both))
     with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.kl\.coeff'"):
         load_config(None, ["algorithm.kl.coeff=0.1"])
+
+
+def test_the_cluster_section_is_shown_and_what_is_not_built_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["config", "show", "--set", "cluster.learner_ranks=2"]) == 0
+    out = capsys.readouterr().out
+    assert tomllib.loads(out)["cluster"] == {
+        "learner_ranks": 2, "rollout_workers": 1, "address": "",
+    }  # fmt: skip
+    assert (
+        "rollout_workers = 1  # Inference engines with their environments: not implemented" in out
+    )
+    with pytest.raises(ConfigError, match=r"cluster\.rollout_workers = 2: .*not implemented yet"):
+        load_config(None, ["cluster.rollout_workers=2"])
+    with pytest.raises(
+        ConfigError, match=r"cluster\.address = 'ray://head:10001': .*not implemented"
+    ):
+        load_config(None, ["cluster.address=ray://head:10001"])
+    with pytest.raises(ConfigError, match=r"cluster\.learner_ranks must be >= 0"):
+        load_config(None, ["cluster.learner_ranks=-1"])

@@ -45,6 +45,9 @@ def train(
     with its ``tasks`` and ``reward(task, answer, transcript)``: the agent's model calls are
     served by the policy through an OpenAI-compatible endpoint and trained on, token-exact,
     in the model family's call format. Returns every metrics row and alarm of the run.
+
+    ``cluster.learner_ranks >= 1`` runs the learner as a group of that many processes
+    (``turnrl.distributed``); 0, the default, trains in this process.
     """
     if isinstance(recipe, Config):
         if overrides:
@@ -81,6 +84,12 @@ def train(
             config, env=EnvConfig(name=str(getattr(spec, "name", "custom")))
         )
     run_dir = Path(out) if out is not None else Path("runs") / config.name
+    if config.cluster.learner_ranks >= 1:  # the learner on ranks of its own
+        from turnrl.distributed.driver import train as _train_with_group
+
+        return _train_with_group(
+            config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec
+        )
     return _train_loop(config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec)
 
 

@@ -163,16 +163,16 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from turnrl.api import train
     from turnrl.report import write_report
     from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import train
 
     config = load_config(args.recipe, args.overrides)
     run_dir = args.out or Path("runs") / config.name
     print(f"turnrl: run directory {run_dir}")
     t0 = time.perf_counter()
-    result = train(
-        config, run_dir, resume=args.resume, progress=not args.no_progress,
+    result = train(  # in process, or with cluster.learner_ranks >= 1 a learner group
+        config, out=run_dir, resume=args.resume, progress=not args.no_progress,
         on_row=_report_every(run_dir, REPORT_EVERY_S),
     )  # fmt: skip
     report = write_report(run_dir)

@@ -48,7 +48,9 @@ class TorchBackend:
     """Samples from a causal LM held in this process (CPU or one GPU).
 
     ``model`` is shared with the learner in the single-process loop: weight sync is free,
-    and ``sync`` bumps ``policy_version`` after each optimizer step.
+    and ``sync`` bumps ``policy_version`` after each optimizer step. In asynchronous
+    training it is a copy of the learner's model (it samples while the learner updates), and
+    ``sync`` copies the learner's weights into it.
     """
 
     def __init__(
@@ -276,12 +278,14 @@ class TorchBackend:
                     acks_owed -= 1
 
     def sync(self, model: Any) -> None:
-        """After an optimizer step on ``model``: this backend samples with that very model
-        object, so the weights are already in place; the version moves on, and the kept
-        histories' keys and values (computed by the old weights) are dropped on the next
-        prefill (``PrefixCache.sync``)."""
+        """After an optimizer step on ``model``: where this backend samples with that very
+        model object the weights are already in place, else they are copied into its own
+        (same architecture; never while it samples: the caller syncs between batches). The
+        version moves on, and the kept histories' keys and values (computed by the old
+        weights) are dropped on the next prefill (``PrefixCache.sync``)."""
         if model is not self.model:
-            raise ValueError("TorchBackend samples with the learner's own model object")
+            with torch.no_grad():
+                self.model.load_state_dict(model.state_dict())
         self.policy_version += 1
 
     def submit(

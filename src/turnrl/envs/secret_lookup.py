@@ -10,6 +10,7 @@ to find, because the warm-up demonstrations use random keys and random answers.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class SecretLookup:
     format: str = "hermes"
     """The tool-call format (``turnrl.formats``): ``hermes`` for Qwen-style templates,
     ``llama3_json`` or ``mistral`` for those families' models."""
+    latency_s: float = 0.0
+    """Seconds each lookup takes (a slow API: benchmarks of overlap and concurrency)."""
 
     name = "secret_lookup"
 
@@ -63,6 +66,8 @@ class SecretLookup:
                 f"secret_lookup.num_values must be in 10..{len(VALUE_NAMES)} "
                 "(chance success must stay at or below 10%)"
             )
+        if not 0.0 <= self.latency_s <= 4.0:
+            raise ConfigError("secret_lookup.latency_s must be in 0..4 (the tool's limit is 5 s)")
         get_format(self.format)  # an unknown name fails here, naming the known ones
 
     @property
@@ -89,6 +94,7 @@ class SecretLookup:
         if not self.tools_enabled:
             return ToolSet([])
         table: dict[str, str] = dict(task.metadata["table"])
+        latency = self.latency_s
 
         async def lookup(key: str) -> str:
             """Look up a key.
@@ -96,6 +102,8 @@ class SecretLookup:
             Args:
                 key: The key.
             """
+            if latency:
+                await asyncio.sleep(latency)
             if key not in table:
                 raise LookupError(f"no key {key!r} in the table")
             return table[key]

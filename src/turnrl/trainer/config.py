@@ -286,8 +286,8 @@ class OffPolicyConfig:
     correction: Literal["auto", "none", "token_tis", "sequence_tis", "sequence_mask"] = "auto"
     """Truncated importance weights per token or per sequence (capped at ``cap``), or
     dropping sequences whose ratio exceeds ``cap``; ``auto`` is ``token_tis`` when another
-    engine samples (``rollout.backend = "vllm"``) and ``none`` when the learner's own model
-    does."""
+    engine samples (``rollout.backend = "vllm"``) or older weights do
+    (``algorithm.max_staleness`` > 0), and ``none`` when the learner's own model does."""
     cap: float = 2.0
     """Cap C of the truncated importance weights / the sequence mask's threshold."""
 
@@ -427,6 +427,14 @@ class AlgorithmConfig:
     """Optimizer steps per rollout batch (PPO epochs); the first is on-policy."""
     entropy_coef: float = 0.0
     """Entropy bonus: this times the (reduced) policy entropy is subtracted from the loss."""
+    max_staleness: int = 0
+    """Asynchronous training: a batch may be sampled by a policy up to this many versions
+    older than the learner's. 0 is the synchronous loop, exactly; 1 or more overlaps the
+    next step's rollout with this step's update (the sampler then holds its own copy of the
+    weights, synced between batches, so no turn mixes versions; the in-process pipeline is
+    one step deep, so the staleness is at most 1 whatever the bound). Behaviour log-probs
+    feed ``off_policy`` (``auto`` turns ``token_tis`` on); ``rollout/staleness_<d>`` is the
+    histogram."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -445,6 +453,7 @@ class AlgorithmConfig:
                 (self.lr > 0.0, "algorithm.lr must be > 0"),
                 (self.epochs >= 1, "algorithm.epochs must be >= 1"),
                 (self.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
+                (0 <= self.max_staleness <= 8, "algorithm.max_staleness must be in 0..8"),
                 (
                     not (self.policy_loss == "gspo" and self.clip.dual),
                     "algorithm.clip.dual applies to the ppo policy loss only",
@@ -593,6 +602,45 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Beyond one process: the learner's ranks (``cluster``; docs/scaling.md).
+
+    0 learner ranks is the single-process run, the reference every other layout must
+    match. Only the learner can be spread so far: several rollout workers (Ray) and a
+    cluster address are not built yet, and are refused rather than ignored."""
+
+    learner_ranks: int = 0
+    """Learner processes: 0 trains in this process (the reference); N >= 1 runs a
+    ``LearnerGroup`` of N ranks under FSDP2 (gloo on a CPU, NCCL with one GPU per rank),
+    whose update equals the in-process one within 1e-5. The engine samples in this
+    process, loaded with the group's full weights after every update."""
+    rollout_workers: int = 1
+    """Inference engines with their environments: not implemented yet beyond 1 (the
+    engine in this process); another value is refused."""
+    address: str = ""
+    """A Ray cluster to join (``ray start --head``): not implemented yet, only "" (this
+    machine) is accepted."""
+
+    def __post_init__(self) -> None:
+        _require(
+            [
+                (self.learner_ranks >= 0, "cluster.learner_ranks must be >= 0"),
+                (
+                    self.rollout_workers == 1,
+                    f"cluster.rollout_workers = {self.rollout_workers}: several rollout "
+                    "workers are not implemented yet; only 1 (the engine in this process) "
+                    "is supported",
+                ),
+                (
+                    self.address == "",
+                    f"cluster.address = {self.address!r}: joining a Ray cluster is not "
+                    'implemented yet; only "" (this machine) is supported',
+                ),
+            ]
+        )
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -618,6 +666,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         # Each section checks its own fields when it is made; here only what spans sections.
@@ -645,7 +694,8 @@ STARTUP_TOLERANCE = {"float32": 1e-3, "bf16-mixed": 0.1}
 
 def resolved(config: Config) -> Config:
     """``config`` with its ``auto`` choices made: ``algorithm.off_policy.correction`` is
-    ``token_tis`` under vLLM (another engine's numerics) and ``none`` otherwise;
+    ``token_tis`` under vLLM (another engine's numerics) or asynchronous training (older
+    weights) and ``none`` otherwise;
     ``rollout.startup_tolerance`` 0 becomes ``STARTUP_TOLERANCE[model.precision]``."""
     if config.rollout.startup_tolerance == 0.0:
         tolerance = STARTUP_TOLERANCE[config.model.precision]
@@ -654,7 +704,8 @@ def resolved(config: Config) -> Config:
     off = config.algorithm.off_policy
     if off.correction != "auto":
         return config
-    made = OffPolicyConfig("token_tis" if config.rollout.backend == "vllm" else "none", off.cap)
+    other = config.rollout.backend == "vllm" or config.algorithm.max_staleness > 0
+    made = OffPolicyConfig("token_tis" if other else "none", off.cap)
     algorithm = dataclasses.replace(config.algorithm, off_policy=made)
     return dataclasses.replace(config, algorithm=algorithm)
 

@@ -10,6 +10,7 @@ Everything a run produces goes into its run directory (DESIGN.md "The main job")
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import errno
 import json
@@ -49,8 +50,9 @@ from turnrl.trainer.checkpoint import (
 from turnrl.trainer.config import Config, inert_settings, resolved
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
+from turnrl.trainer.pipeline import stepper
 from turnrl.trainer.sinks import MetricSinks, trim_run_files
-from turnrl.trainer.step import Trainer, train_step
+from turnrl.trainer.step import Trainer
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 
 Row = dict[str, Any]
@@ -67,6 +69,51 @@ class RunResult:
     alarms: list[Alarm] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What the run's learner is made from: ``train``'s ``make_learner`` is called with it
+    once, after the warm-up (or the resumed checkpoint's weights are loaded)."""
+
+    model: Any
+    """The policy in this process. The engine samples with it (the torch backend shares
+    the object; vLLM is synced from it after every update) and checkpoints save it: a
+    learner that trains elsewhere loads its new weights into it after each update."""
+    config: Config
+    """The run's configuration, resolved."""
+    start_model: Path
+    """The policy RL started from (``run_dir/start_model``): the KL reference."""
+    resumed: bool
+    """Whether the run resumes from a checkpoint (``model`` holds its weights; the
+    optimizer's state is loaded into ``learner.optimizer`` right after)."""
+    autocast: torch.dtype | None
+    """The dtype the compute is autocast to (bf16-mixed), or None."""
+
+
+MakeLearner = Callable[[LearnerSpec], Any]
+"""Makes the run's learner: a ``Learner``, or an object with the part of its interface the
+step, the loop and the checkpoints use: ``model`` (the spec's), ``optimizer``
+(``state_dict`` and ``load_state_dict`` in torch.optim's layout), ``critic`` (or None),
+``step_samples`` (which leaves the new weights in ``model``), ``sampler_gap`` and
+``reference_kl``. ``turnrl.distributed`` gives one backed by a ``LearnerGroup``."""
+
+
+def in_process_learner(spec: LearnerSpec) -> Learner:
+    """The reference learner: in this process, training ``spec.model`` itself. A KL
+    reference is the start policy: on a fresh run the model as it is now (the learner
+    copies it), on a resume ``start_model`` loaded again (with LoRA, the base)."""
+    c = spec.config
+    reference = None
+    if spec.resumed and c.algorithm.kl.coef > 0 and not is_lora(spec.model):
+        device = next(spec.model.parameters()).device
+        reference = load_model(
+            spec.start_model, dtype=torch.float32, device=device, attention=c.model.attention
+        )
+    return Learner(
+        spec.model, c.algorithm, temperature=c.rollout.temperature, reference=reference,
+        max_length=c.rollout.max_episode_tokens, autocast=spec.autocast,
+    )  # fmt: skip
+
+
 def train(
     config: Config,
     run_dir: Path,
@@ -75,9 +122,19 @@ def train(
     progress: bool = True,
     on_row: Callable[[Row], None] | None = None,
     env: EnvSpec | None = None,
+    make_learner: MakeLearner | None = None,
 ) -> RunResult:
     """Run ``config`` into ``run_dir``; with ``resume`` continue from its last checkpoint.
-    ``env``: an environment family object to train on instead of ``config.env``'s."""
+    ``env``: an environment family object to train on instead of ``config.env``'s.
+    ``make_learner``: the learner's factory (``MakeLearner``); None trains in this process
+    (``in_process_learner``). ``turnrl.train`` passes the group's for
+    ``cluster.learner_ranks >= 1``."""
+    if make_learner is None and config.cluster.learner_ranks > 0:
+        raise ConfigError(
+            f"cluster.learner_ranks = {config.cluster.learner_ranks} runs through turnrl.train "
+            "(or `turnrl train`), which starts the learner group; trainer.loop.train alone "
+            "trains in this process (cluster.learner_ranks = 0)"
+        )
     run_dir = Path(run_dir)
     if (run_dir / "metrics.jsonl").exists() and not resume:
         raise ConfigError(f"{run_dir} already holds a run; pass --resume or choose another --out")
@@ -99,7 +156,7 @@ def train(
             _say(f"resuming {since}: dropped {count} record(s) of {name} written later "
                  "or torn", progress)  # fmt: skip
     try:
-        return _run(config, run_dir, spec, checkpoint, progress, on_row)
+        return _run(config, run_dir, spec, checkpoint, progress, on_row, make_learner)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -119,6 +176,7 @@ def _run(
     checkpoint: Path | None,
     progress: bool,
     on_row: Callable[[Row], None] | None,
+    make_learner: MakeLearner | None = None,
 ) -> RunResult:
     """The run itself, its files open: start (or resume), evaluate, train step by step."""
     result = RunResult(run_dir)
@@ -137,7 +195,7 @@ def _run(
             if on_row:
                 on_row(row)
 
-        t, tokenizer, first = _start(config, spec, run_dir, checkpoint, progress)
+        t, tokenizer, first = _start(config, spec, run_dir, checkpoint, progress, make_learner)
         start = load_state(t, checkpoint) if checkpoint is not None else 0
         monitor = Monitor(config.monitor)
         first.update(check_template(t, progress))
@@ -153,48 +211,58 @@ def _run(
             total=config.steps,
         )  # fmt: skip
         started = time.perf_counter()
-        for step in bar:
-            row = train_step(t, step, traj_out)
-            alarms = monitor.update(row)
-            stop = bool(alarms) and config.monitor.action == "stop"
-            if alarms:  # an alarm may switch on variance filtering
-                t = t.with_config(_on_alarm(t.config, progress))
-            done = step + 1
-            elapsed = time.perf_counter() - started
-            out_of_time = config.max_minutes > 0 and elapsed > 60 * config.max_minutes
-            last = done == config.steps or out_of_time or stop
-            if done % config.eval.every == 0 or last:
-                row.update(evaluate(t))
-            row["perf/elapsed_s"] = time.perf_counter() - started
-            for alarm in alarms:
-                row[f"alarm/{alarm.name}"] = 1.0
-                alarms_out.write(json.dumps(alarm.to_json()) + "\n")
-                _say(alarm.message(), progress)
-            alarms_out.flush()
-            result.alarms.extend(alarms)
-            emit(row)
-            bar.set_postfix(
-                success=f"{row['rollout/success_mean']:.2f}",
-                reward=f"{row['rollout/reward_mean']:.2f}",
-                errors=f"{row['rollout/errors']:.0f}",
-            )
-            if done % config.save_every == 0 or last:
-                _save(t, run_dir, tokenizer, done)
-            if stop:
-                _say(f"stopping after step {done}: monitor.action = stop", progress)
-            if out_of_time or stop:
-                break
+        steps = stepper(t)  # synchronous, or the next rollout overlapped (max_staleness)
+        try:
+            for step in bar:
+                row = steps.step(t, step, traj_out)
+                alarms = monitor.update(row)
+                stop = bool(alarms) and config.monitor.action == "stop"
+                if alarms:  # an alarm may switch on variance filtering
+                    t = t.with_config(_on_alarm(t.config, progress))
+                done = step + 1
+                elapsed = time.perf_counter() - started
+                out_of_time = config.max_minutes > 0 and elapsed > 60 * config.max_minutes
+                last = done == config.steps or out_of_time or stop
+                if done % config.eval.every == 0 or last:
+                    steps.before_eval(t)
+                    row.update(evaluate(t))
+                row["perf/elapsed_s"] = time.perf_counter() - started
+                for alarm in alarms:
+                    row[f"alarm/{alarm.name}"] = 1.0
+                    alarms_out.write(json.dumps(alarm.to_json()) + "\n")
+                    _say(alarm.message(), progress)
+                alarms_out.flush()
+                result.alarms.extend(alarms)
+                emit(row)
+                bar.set_postfix(
+                    success=f"{row['rollout/success_mean']:.2f}",
+                    reward=f"{row['rollout/reward_mean']:.2f}",
+                    errors=f"{row['rollout/errors']:.0f}",
+                )
+                if done % config.save_every == 0 or last:
+                    _save(t, run_dir, tokenizer, done, steps.learner_version(t))
+                if stop:
+                    _say(f"stopping after step {done}: monitor.action = stop", progress)
+                if out_of_time or stop:
+                    break
+        finally:
+            steps.close()
         if config.steps == 0 or start >= config.steps:
-            _save(t, run_dir, tokenizer, start)
+            _save(t, run_dir, tokenizer, start, steps.learner_version(t))
     return result
 
 
 def _start(
-    config: Config, spec: EnvSpec, run_dir: Path, checkpoint: Path | None, progress: bool
+    config: Config,
+    spec: EnvSpec,
+    run_dir: Path,
+    checkpoint: Path | None,
+    progress: bool,
+    make_learner: MakeLearner | None = None,
 ) -> tuple[Trainer, Any, Row]:
     """The model (built, or loaded from ``checkpoint``), warmed up on a fresh run; the
-    learner with its reference policy; the engine. Returns the trainer, the tokenizer and
-    the step-0 row so far (the warm-up's numbers)."""
+    learner (``make_learner``'s, or in this process) with its reference policy; the engine.
+    Returns the trainer, the tokenizer and the step-0 row so far (the warm-up's numbers)."""
     lora = config.model.lora.rank > 0
     if checkpoint is None:
         model_path = _base_model(config, spec, run_dir, progress)
@@ -216,28 +284,26 @@ def _start(
     first: Row = {"step": 0}
     if checkpoint is None and config.warmup.steps > 0:
         first.update(_warmup(config, spec, model, tokenizer, renderer, limits, sampling, progress))
-    reference = None
     if checkpoint is None:
         save_start_policy(run_dir, model, tokenizer)
         if lora:  # the sampler loads the base the adapters sit on
             model_path = run_dir / "start_model"
     if lora:
         model = _with_lora(config, model, run_dir, checkpoint)
-    elif checkpoint is not None and config.algorithm.kl.coef > 0:
-        if not (run_dir / "start_model" / "config.json").is_file():
-            raise ConfigError(
-                f"cannot resume {run_dir} with a KL term: its start_model (the reference "
-                "policy) is missing"
-            )
-        reference = load_model(
-            run_dir / "start_model", dtype=torch.float32, device=device, attention=m.attention
+    elif (
+        checkpoint is not None
+        and config.algorithm.kl.coef > 0
+        and not (run_dir / "start_model" / "config.json").is_file()
+    ):
+        raise ConfigError(
+            f"cannot resume {run_dir} with a KL term: its start_model (the reference "
+            "policy) is missing"
         )
     if m.gradient_checkpointing:
         _checkpoint_activations(model)
-    learner = Learner(
-        model, config.algorithm, temperature=r.temperature, reference=reference,
-        max_length=r.max_episode_tokens, autocast=_autocast(config),
-    )  # fmt: skip
+    resumed = checkpoint is not None
+    made = LearnerSpec(model, config, run_dir / "start_model", resumed, _autocast(config))
+    learner = (make_learner or in_process_learner)(made)
     backend = _backend(config, model, tokenizer, model_path)
     return (
         Trainer.build(config, spec, backend, learner, renderer, limits, sampling),
@@ -303,6 +369,8 @@ def _with_lora(config: Config, model: Any, run_dir: Path, checkpoint: Path | Non
 def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Backend:
     """The sampling engine ``rollout.backend`` names, holding ``model``'s current weights."""
     if config.rollout.backend == "torch":  # the learner's own model: nothing to sync
+        if config.algorithm.max_staleness > 0:  # it samples while the learner updates
+            model = copy.deepcopy(model)
         return TorchBackend(model, tokenizer, autocast=_autocast(config))
     from turnrl.backends.vllm_backend import VLLMBackend
 
@@ -421,8 +489,9 @@ def evaluate(t: Trainer) -> Row:
     }
 
 
-def _save(t: Trainer, run_dir: Path, tokenizer: Any, step: int) -> None:
-    state = TrainerState(step=step, policy_version=t.backend.policy_version)
+def _save(t: Trainer, run_dir: Path, tokenizer: Any, step: int, version: int) -> None:
+    """A checkpoint of the learner's weights, whose policy version is ``version``."""
+    state = TrainerState(step=step, policy_version=version)
     extra = None if t.learner.critic is None else {"critic": t.learner.critic.state_dict()}
     save_checkpoint(run_dir, t.learner.model, tokenizer, t.learner.optimizer, state, extra)
 

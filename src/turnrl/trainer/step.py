@@ -84,31 +84,84 @@ class Trainer:
 def train_step(t: Trainer, step: int, trajectories_out: TextIO) -> Row:
     """One RL step: the metrics row of ``step`` (counted from 0; the row says step + 1)."""
     t0 = time.perf_counter()
-    groups, sampled, row = collect(t, step)  # 1. episodes (DAPO: until groups are informative)
-    episodes = [x for g in sampled for x in g]
-    check_failures(episodes, t.config.rollout.max_error_frac, f"step {step + 1}")
-    versions = torch.tensor([x.policy_version for x in episodes], dtype=torch.long)
-    lag = policy_lag_metrics(versions, t.backend.policy_version)  # 0 here: synchronous
-    t1 = time.perf_counter()
+    collected = rollout_phase(t, step)
+    row = update_phase(t, step, collected, t.backend.policy_version, trajectories_out)
+    t.backend.sync(t.learner.model)  # 6. the engine samples with the new weights from here on
+    return timed(row, collected.rollout_s, time.perf_counter() - t0)
+
+
+def timed(row: Row, rollout_s: float, step_s: float) -> Row:
+    """``row`` with the step's wall time, the rollout's share and the rest (the update,
+    the sync; in an asynchronous run, the wait for the batch too), and tokens/s."""
+    row["perf/rollout_s"], row["perf/step_s"] = rollout_s, step_s
+    row["perf/train_s"] = step_s - rollout_s
+    row["perf/tokens_per_s"] = row.pop("_tokens") / max(step_s, 1e-9)
+    return row
+
+
+@dataclass
+class Collected:
+    """What the rollout phase of one step gathered, for its update phase."""
+
+    groups: Groups
+    """The groups to train on (after dynamic sampling)."""
+    sampled: Groups
+    """Every group sampled."""
+    row: Row
+    """Selection metrics so far."""
+    rollout_s: float
+    """Seconds the rollout took."""
+
+
+def rollout_phase(t: Trainer, step: int) -> Collected:
+    """Step ``step``'s episodes (DAPO: until groups are informative), checked for failures."""
+    t0 = time.perf_counter()
+    groups, sampled, row = collect(t, step)
+    check_failures([x for g in sampled for x in g], t.config.rollout.max_error_frac,
+                   f"step {step + 1}")  # fmt: skip
+    return Collected(groups, sampled, row, time.perf_counter() - t0)
+
+
+def update_phase(
+    t: Trainer, step: int, c: Collected, learner_version: int, trajectories_out: TextIO
+) -> Row:
+    """Rewards, selection, credit and the policy update on ``c``; the step's metrics row.
+    ``learner_version``: the policy version of the learner's weights before this update
+    (the sampler's, in a synchronous run; up to ``algorithm.max_staleness`` newer than the
+    trajectories' in an asynchronous one). The engine is not synced here (the caller does)."""
+    groups, row = c.groups, c.row
+    versions = torch.tensor([x.policy_version for g in c.sampled for x in g], dtype=torch.long)
+    lag = policy_lag_metrics(versions, learner_version)
     kl = shape_rewards(t, groups, row)  # 2. rewards: overlong penalty, a KL in the reward
     groups = select(t, groups, row)  # 3. StarPO-S variance filter
     values = t.estimator.assign(t.config.algorithm, groups, kl, shuffle_seed(t.config, step))  # 4.
     samples, sample_values = trainable_samples(t, groups, values)
     if samples:
         row.update(t.update(samples, sample_values, t.backend.pad_id))  # 5. the policy update
-    t.backend.sync(t.learner.model)  # 6. the engine samples with the new weights from here on
-    t2 = time.perf_counter()
 
-    row = {"step": step + 1, **rollout_metrics(sampled), **row}
+    row = {"step": step + 1, **rollout_metrics(c.sampled), **row}
     row.update({f"rollout/{name}": float(value) for name, value in lag.items()})
+    row.update(staleness_histogram(versions, learner_version, t.config.algorithm.max_staleness))
     row["rollout/dropped_errors"] = float(sum(x.error is not None for g in groups for x in g))
     if t.config.algorithm.overlong.filter:
         row["select/truncated_excluded"] = float(sum(x.truncated for g in groups for x in g))
-    tokens = sum(x.num_tokens for g in sampled for x in g)
-    row["perf/rollout_s"], row["perf/train_s"], row["perf/step_s"] = t1 - t0, t2 - t1, t2 - t0
-    row["perf/tokens_per_s"] = tokens / max(t2 - t0, 1e-9)
+    row["_tokens"] = sum(x.num_tokens for g in c.sampled for x in g)  # for ``timed``
     log_trajectories(t, step, groups, values, trajectories_out)
     return row
+
+
+def staleness_histogram(versions: torch.Tensor, learner_version: int, bound: int) -> Row:
+    """The share of the step's trajectories sampled ``d`` versions behind the learner, for
+    ``d`` in 0..``bound`` (``rollout/staleness_<d>``); a trajectory staler than ``bound``
+    raises (the pipeline must never hand one over)."""
+    lag = learner_version - versions
+    if versions.numel() and int(lag.max()) > bound:
+        raise ValueError(
+            f"a trajectory {int(lag.max())} versions behind the learner reached the update; "
+            f"algorithm.max_staleness is {bound}"
+        )
+    n = max(versions.numel(), 1)
+    return {f"rollout/staleness_{d}": float((lag == d).sum()) / n for d in range(bound + 1)}
 
 
 def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:

@@ -1,0 +1,230 @@
+"""A training run whose learner is a ``LearnerGroup``: ``cluster.learner_ranks >= 1``.
+
+The loop is the in-process one (trainer/loop.py), unchanged: it takes a learner factory
+(``make_learner``), and ``train`` here gives it ``GroupLearner``, which has the part of the
+``Learner`` interface the step, the loop and the checkpoints use (``model``, ``optimizer``,
+``critic``, ``step_samples``, ``sampler_gap``, ``reference_kl``) and runs the update on the
+group's ranks. Nothing of the step is repeated here.
+
+Weight sync: after every update the group's whole weights are gathered from the shards
+(``LearnerGroup.full_state_dict``) and copied into the driver's model, in place. The engine
+samples with that model (the torch backend holds the same object; vLLM is synced from it by
+the step, as in process), and the step moves the policy version on after it: a version's
+samples come from that version's weights only. Checkpoints are the in-process ones (the
+driver's model, the optimizer's state in torch.optim's layout): a run resumes with any
+``cluster.learner_ranks``, 0 included.
+
+Not here yet: rollout workers (Ray), several nodes, the weight broadcast to remote engines,
+a critic (``advantage = "gae"``), LoRA, activation checkpointing on the ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
+from turnrl.envs import EnvSpec
+from turnrl.errors import ConfigError, TurnrlError
+from turnrl.models import load_model
+from turnrl.trainer.checkpoint import CheckpointWriteError, latest_checkpoint
+from turnrl.trainer.config import Config
+from turnrl.trainer.loop import LearnerSpec, RunResult
+from turnrl.trainer.loop import train as train_in_loop
+from turnrl.types import Sample
+
+CALL_TIMEOUT_S = 900.0
+"""The deadline of each call to the group (an update of a large model on a CPU is slow; a
+rank that dies is noticed at once, whatever this says)."""
+
+
+def train(
+    config: Config,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    env: EnvSpec | None = None,
+) -> RunResult:
+    """``trainer.loop.train`` with the learner on ``cluster.learner_ranks`` ranks. A rank
+    that fails stops the run with a ``LearnerRankError`` naming it, and saying where
+    ``--resume`` continues from. Every rank is stopped when the run ends, however it ends."""
+    check_supported(config)
+    started: list[GroupLearner] = []
+
+    def make_learner(spec: LearnerSpec) -> GroupLearner:
+        learner = GroupLearner.start(spec)
+        started.append(learner)
+        return learner
+
+    run_dir = Path(run_dir)
+    try:
+        return train_in_loop(
+            config, run_dir, resume=resume, progress=progress, on_row=on_row, env=env,
+            make_learner=make_learner,
+        )  # fmt: skip
+    except LearnerRankError as exc:
+        raise resumable(exc, run_dir) from exc
+    except CheckpointWriteError as exc:  # the rank died while the checkpoint was written
+        if isinstance(exc.__cause__, LearnerRankError):
+            raise resumable(exc.__cause__, run_dir) from exc
+        raise
+    finally:
+        for learner in started:
+            learner.group.close()
+
+
+def check_supported(config: Config) -> None:
+    """Refuse, before anything starts, what a ``LearnerGroup`` cannot train yet."""
+    ranks = config.cluster.learner_ranks
+    where = f"cluster.learner_ranks = {ranks}"
+    instead = "set cluster.learner_ranks = 0 (in process) or"
+    if config.model.lora.rank > 0:
+        raise ConfigError(
+            f"model.lora.rank = {config.model.lora.rank} with {where}: the learner group does "
+            f"not train LoRA adapters yet; {instead} model.lora.rank = 0"
+        )
+    if config.algorithm.advantage == "gae":
+        raise ConfigError(
+            f"algorithm.advantage = 'gae' with {where}: the learner group has no critic yet; "
+            f"{instead} another algorithm.advantage"
+        )
+    if config.model.gradient_checkpointing:
+        raise ConfigError(
+            f"model.gradient_checkpointing = true with {where}: the learner group's ranks do "
+            f"not checkpoint activations yet; {instead} model.gradient_checkpointing = false"
+        )
+
+
+def resumable(exc: LearnerRankError, run_dir: Path) -> LearnerRankError:
+    """``exc`` with where the run continues from."""
+    try:
+        newest = latest_checkpoint(run_dir, warn=lambda _: None)
+    except TurnrlError:
+        newest = None
+    since = (
+        f"its newest whole checkpoint is {newest.name}"
+        if newest is not None
+        else "no checkpoint was written yet (it starts again)"
+    )
+    first, _, details = str(exc).partition("\n")  # a rank's traceback, if it raised
+    message = (
+        f"learner {first}. The run stopped; {since}: continue it with --resume (with any "
+        "cluster.learner_ranks, 0 included)." + (f"\n{details}" if details else "")
+    )
+    return LearnerRankError(message, ranks=exc.ranks, call=exc.call)
+
+
+class GroupLearner:
+    """The run's learner on a ``LearnerGroup``, as the trainer uses a ``Learner``.
+
+    ``model`` is the driver's copy of the policy: the engine samples with it and
+    checkpoints save it; ``step_samples`` leaves the group's new weights in it."""
+
+    def __init__(self, group: LearnerGroup, model: Any) -> None:
+        self.group = group
+        self.model = model
+        self.optimizer = GroupOptimizer(group, model)
+        """The group's optimizer state as checkpoints read and write it."""
+        self.critic = None  # no critic on a group yet (check_supported)
+
+    @classmethod
+    def start(cls, spec: LearnerSpec) -> GroupLearner:
+        """Start ``cluster.learner_ranks`` ranks. Each loads the start policy (and from it
+        the KL reference, unsharded); on a resume the checkpoint's weights and optimizer
+        state follow through ``optimizer.load_state_dict``, as in process."""
+        c = spec.config
+        device = "cuda" if next(spec.model.parameters()).device.type == "cuda" else "cpu"
+        source = functools.partial(
+            load_model, spec.start_model, dtype=torch.float32, attention=c.model.attention
+        )
+        try:
+            group = LearnerGroup(
+                source, c.algorithm, num_ranks=c.cluster.learner_ranks,
+                temperature=c.rollout.temperature, max_length=c.rollout.max_episode_tokens,
+                device=device, autocast=spec.autocast, timeout_s=CALL_TIMEOUT_S,
+                seed=c.seed, num_threads=c.threads,
+            )  # fmt: skip
+        except ValueError as exc:  # e.g. fewer GPUs than ranks
+            raise ConfigError(f"cluster.learner_ranks = {c.cluster.learner_ranks}: {exc}") from exc
+        return cls(group, spec.model)
+
+    def step_samples(
+        self,
+        samples: Sequence[Sample],
+        advantages: Sequence[float | Sequence[float]],
+        pad_id: int,
+    ) -> dict[str, float]:
+        """The group's update (``Learner.step_samples`` across the ranks), then the weight
+        sync: the new weights gathered and copied into ``model`` (``perf/weight_sync_s``)."""
+        metrics = self.group.step_samples(samples, advantages, pad_id)
+        t0 = time.perf_counter()
+        weights = self.group.full_state_dict()
+        with torch.no_grad():
+            self.model.load_state_dict(weights)  # in place: the engine's object keeps them
+        metrics["perf/weight_sync_s"] = time.perf_counter() - t0
+        return metrics
+
+    def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:
+        return self.group.sampler_gap(samples, pad_id)
+
+    def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
+        return self.group.reference_kl(samples, pad_id)
+
+
+class GroupOptimizer:
+    """The group's optimizer state in torch.optim's layout, as the in-process learner's
+    optimizer gives it (parameters by their index among the model's trainable ones), so
+    checkpoints are the same whatever the number of ranks. The group keys it by parameter
+    name (``LearnerGroup.state_dict``); this translates both ways."""
+
+    def __init__(self, group: LearnerGroup, model: Any) -> None:
+        self.group = group
+        self.model = model
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        """Index -> parameter name: the order of ``trainable_parameters(model)``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return by_index(self.group.state_dict()["optimizer"], self.names)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state`` into the group, with the driver's model weights (a resume has
+        just loaded the checkpoint's into it)."""
+        named = by_name(state, self.names)
+        self.group.load_state_dict({"model": self.model.state_dict(), "optimizer": named})
+
+
+def by_index(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name, keyed by index in ``names`` instead."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted({n for g in state["param_groups"] for n in g["params"]} - set(index))
+    if unknown:
+        raise TurnrlError(f"the group's optimizer holds parameters the model lacks: {unknown}")
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """An optimizer state keyed by index in ``names``, keyed by parameter name instead."""
+    ids = [i for g in state["param_groups"] for i in g["params"]]
+    if sorted(ids) != list(range(len(names))):
+        raise ConfigError(
+            f"the checkpoint's optimizer holds {len(ids)} parameters, the model "
+            f"{len(names)} trainable ones: it was written for another model"
+        )
+    return {
+        "state": {names[int(i)]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }

@@ -1,0 +1,242 @@
+"""`turnrl train` with the learner on ranks (``cluster.learner_ranks``) against the
+in-process run, end to end: real rank processes, real torch.distributed (gloo, CPU), the
+quick-start recipe on the small-run settings (GiGPO, two epochs, a KL to the reference in
+the loss). The same seed gives the in-process metrics (1 rank: equal up to float rounding;
+2 ranks: within 1e-5); checkpoints are the in-process ones, so a group's run resumes in
+process; a rank killed mid-run stops the run naming the rank, and it resumes; the command
+line runs it; what a group cannot train yet is refused before anything starts."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import SMALL_RUN
+from turnrl.api import train
+from turnrl.distributed import LearnerGroup, LearnerRankError
+from turnrl.errors import ConfigError
+from turnrl.models import load_model
+from turnrl.trainer.config import Config, load_config
+from turnrl.trainer.loop import train as train_in_process
+
+Row = dict[str, Any]
+
+# Two ranks split each batch (and each rank its micro-batches) differently from one
+# process, so the gradient's sums are taken in another order: float32 rounding (one
+# update's gradient within 1e-5: tests/test_distributed_learner.py). Measured here: every
+# metric within 3e-7 relative over three steps, so 1e-5 (and 1e-6 absolute, for values
+# near 0). The sampled tokens are the same (a rounding-size change moves no sample here).
+REL, ABS = 1e-5, 1e-6
+LR = 0.01
+WEIGHTS_ABS = 0.1 * LR
+"""The weights carry the rounding further: Adam divides each gradient element by its own
+running size, so an element near Adam's eps (1e-8) turns a rounding-size difference into
+a visible fraction of its step (at most ``lr`` per optimizer step). Measured: 1.4e-4
+after two steps and 2e-4 after three at lr 0.01, 1e-5 after three at lr 1e-3 (in
+proportion to lr, as that explanation says). Bound: a tenth of one step."""
+
+RUN = [
+    *SMALL_RUN,
+    # Something to learn from a random tiny model in three steps: an entropy bonus (a
+    # gradient every step, so the weights and then the KL to the reference move) and the
+    # soft overlong penalty (rewards differ by length within a group: advantages, a policy
+    # loss, clipping).
+    "algorithm.entropy_coef=0.05",
+    f"algorithm.lr={LR}",
+    "algorithm.overlong.penalty_tokens=16",
+    "rollout.max_episode_tokens=24",
+]
+
+
+def config(steps: int, ranks: int, *more: str) -> Config:
+    return load_config(None, [*RUN, f"steps={steps}", f"cluster.learner_ranks={ranks}", *more])
+
+
+def rows(run_dir: Path) -> list[Row]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: Row) -> Row:
+    """A row without wall-clock times (``perf/``, ``warmup/s``)."""
+    return {k: v for k, v in row.items() if not k.startswith("perf/") and k != "warmup/s"}
+
+
+def differences(got: list[Row], expected: list[Row]) -> dict[str, float]:
+    """The largest relative difference of each metric (absolute where the expected value
+    is below 1), over the rows given; the key sets must be equal."""
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    out: dict[str, float] = {}
+    for a, b in zip(got, expected, strict=True):
+        a, b = deterministic(a), deterministic(b)
+        assert sorted(a) == sorted(b), set(a) ^ set(b)
+        for key, value in b.items():
+            diff = abs(a[key] - value) / max(1.0, abs(value))
+            out[key] = max(out.get(key, 0.0), diff)
+    return out
+
+
+def assert_close(got: list[Row], expected: list[Row]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        a, b = deterministic(a), deterministic(b)
+        assert sorted(a) == sorted(b), set(a) ^ set(b)
+        for key, value in b.items():
+            assert a[key] == pytest.approx(value, rel=REL, abs=ABS), (a["step"], key)
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return dict(load_model(checkpoint / "model").state_dict())
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def files(checkpoint: Path) -> list[str]:
+    return sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same seed three ways: in process (3 steps), 1 rank and 2 ranks (2 steps each)."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {"in_process": root / "in_process", "one": root / "one", "two": root / "two"}
+    train(config(3, 0), out=out["in_process"], progress=False)
+    train(config(2, 1), out=out["one"], progress=False)
+    train(config(2, 2), out=out["two"], progress=False)
+    return out
+
+
+def test_one_rank_gives_the_in_process_run(runs: dict[str, Path]) -> None:
+    """1 rank runs the in-process learner's code on the whole batch (through FSDP2's root
+    call), in the same order: the weights are bitwise the in-process ones, and so is every
+    metric here. The one operation that may round is the metrics' combination over ranks
+    (x * n / n, for values summed in float64): 1e-12 allows it."""
+    got, expected = rows(runs["one"]), rows(runs["in_process"])[:3]
+    assert max(differences(got, expected).values()) < 1e-12
+    one, same = (r / "checkpoints" / "step_000002" for r in (runs["one"], runs["in_process"]))
+    assert max_diff(weights(one), weights(same)) == 0.0
+    assert "perf/weight_sync_s" in got[1]
+
+
+def test_two_ranks_give_the_in_process_run_within_1e_5(runs: dict[str, Path]) -> None:
+    got, expected = rows(runs["two"]), rows(runs["in_process"])[:3]
+    assert_close(got, expected)
+    assert max(r.get("loss/policy", 0) for r in got) > 0  # advantages were learned from
+    assert got[-1]["loss/kl"] > 0  # the KL to the reference is in the loss, on every rank
+    two = runs["two"] / "checkpoints" / "step_000002"
+    same = runs["in_process"] / "checkpoints" / "step_000002"
+    assert files(two) == files(same)  # the in-process checkpoint, file for file
+    assert max_diff(weights(two), weights(same)) < WEIGHTS_ABS
+    a = torch.load(two / "optimizer.pt", weights_only=True)
+    b = torch.load(same / "optimizer.pt", weights_only=True)
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+
+
+def test_a_two_rank_run_resumes_in_process(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The group's checkpoint (weights and optimizer state) continues in process: step 3
+    and its weights are the in-process run's (a wrong optimizer state would move them)."""
+    run = tmp_path / "two_then_in_process"
+    shutil.copytree(runs["two"], run)
+    result = train(config(3, 0), out=run, resume=True, progress=False)
+    assert [r["step"] for r in result.rows] == [3]
+    assert_close(result.rows, rows(runs["in_process"])[3:])
+    got, expected = (r / "checkpoints" / "step_000003" for r in (run, runs["in_process"]))
+    # A lost optimizer state would move some weights by a whole step (lr): far outside.
+    assert max_diff(weights(got), weights(expected)) < WEIGHTS_ABS
+
+
+def groups_alive() -> list[LearnerGroup]:
+    """The learner groups of this process that have not been closed."""
+    return [o for o in gc.get_objects() if type(o) is LearnerGroup and not o._closed]
+
+
+def test_a_killed_rank_stops_the_run_naming_it_and_the_run_resumes(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 1 is killed once checkpoint 1 is written (step 2 is then sampling): the run
+    stops with an error naming the rank and the checkpoint to resume from, no rank is left
+    behind, and ``--resume`` (2 ranks again) repeats step 2 as the in-process run did."""
+    run = tmp_path / "killed"
+    killed: list[int] = []
+
+    def kill_after_checkpoint_1() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (run / "checkpoints" / "latest").exists():
+            time.sleep(0.01)
+        for group in groups_alive():
+            killed.extend(group.pids)
+            os.kill(group.pids[1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_checkpoint_1, daemon=True)
+    killer.start()
+    with pytest.raises(LearnerRankError) as caught:
+        train(config(3, 2), out=run, progress=False)
+    killer.join()
+    message = str(caught.value)
+    assert caught.value.ranks == (1,)
+    assert "learner rank 1 died (exit code -9) during" in message
+    assert caught.value.call.endswith(" 2")  # in step 2
+    assert "newest whole checkpoint is step_000001: continue it with --resume" in message
+    assert len(killed) == 2
+    for pid in killed:  # no rank outlives the run
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+    result = train(config(3, 2), out=run, resume=True, progress=False)
+    assert [r["step"] for r in rows(run)] == [0, 1, 2, 3]
+    assert_close(result.rows, rows(runs["in_process"])[2:])
+    assert groups_alive() == []
+
+
+def test_the_command_line_trains_on_two_ranks(runs: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "cli"
+    sets = [a for s in [*RUN, "cluster.learner_ranks=2"] for a in ("--set", s)]
+    done = subprocess.run(
+        [sys.executable, "-m", "turnrl.cli", "train", *sets, "--out", str(run), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_close(rows(run), rows(runs["in_process"])[:3])
+    assert json.loads((run / "config.json").read_text())["cluster"]["learner_ranks"] == 2
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("model.lora.rank=4", r"model\.lora\.rank = 4 with cluster\.learner_ranks = 2: .*LoRA"),
+        ("algorithm.advantage=gae", r"algorithm\.advantage = 'gae' .* no critic"),
+        ("model.gradient_checkpointing=true", r"model\.gradient_checkpointing = true"),
+    ],
+)
+def test_what_a_group_cannot_train_is_refused_before_it_starts(
+    tmp_path: Path, setting: str, named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        train(config(2, 2, setting), out=tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+def test_the_loop_alone_does_not_ignore_learner_ranks(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cluster\.learner_ranks = 2 runs through turnrl"):
+        train_in_process(config(2, 2), tmp_path / "run", progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_group_left_open() -> Iterator[None]:
+    yield
+    assert groups_alive() == []  # every run stops its ranks, however it ends
