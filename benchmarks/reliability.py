@@ -263,10 +263,12 @@ def compare(run: Path, straight: Path) -> dict[str, Any]:
 
 
 def phase_steps(phase: str, first: int, args: argparse.Namespace) -> list[int]:
-    """The steps from ``first`` on at which the run goes through ``phase`` (a checkpoint
-    every ``save_every`` steps and after the last)."""
+    """The steps from ``first`` on at which a kill may aim at ``phase``: every step's
+    rollout and learner; the checkpoints every ``save_every`` steps before the last step
+    (a kill that comes too late in the last one finds the run finished, and the kills
+    after it would have nothing left to hit)."""
     return [s for s in range(first, args.steps + 1)
-            if phase != "checkpoint" or s % args.save_every == 0 or s == args.steps]  # fmt: skip
+            if phase != "checkpoint" or (s % args.save_every == 0 and s < args.steps)]  # fmt: skip
 
 
 def aims(rng: random.Random, args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -287,6 +289,9 @@ def kills(args: argparse.Namespace, straight: Path, options: list[str]) -> dict[
     for attempt, (aimed, phase) in enumerate(aims(rng, args)):
         before = checkpoint_step(run)
         later = phase_steps(phase, before + 1, args)
+        if not later:  # no such phase left (a last checkpoint aimed at twice): another one
+            phase = next((p for p in PHASES if phase_steps(p, before + 1, args)), phase)
+            later = phase_steps(phase, before + 1, args)
         if not later:  # the run has finished
             break
         step = aimed if aimed in later else later[0]  # the run may have got past the aim
@@ -1413,7 +1418,8 @@ def kills_md(
     landed = Counter(k["landed"] if k["killed"] else "not killed" for k in killed["kills"])
     return "\n".join([
         f"A {args.steps}-step run of the tiny quick-start model (checkpoint every "
-        f"{args.save_every} steps), killed with SIGKILL {args.kills} times (seed {args.seed}) "
+        f"{args.save_every} steps), killed with SIGKILL {len(killed['kills'])} times "
+        f"({args.kills} aimed; seed {args.seed}) "
         "and resumed after each kill, against the same run uninterrupted. Kills landed: "
         + ", ".join(f"{n} {k}" for k, n in sorted(landed.items()))
         + ". Mean phase durations in the uninterrupted run: "

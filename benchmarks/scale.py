@@ -18,7 +18,9 @@ and asynchronously (``= 1``: the next step's rollout overlaps this step's update
 after the other in one process: the quick-start's tiny model after a short warm-up (so it
 calls the tool), secret-lookup with a lookup that takes ``--tool-latency`` seconds (500 ms),
 8 x 8 episodes a step, and ``--epochs`` learner epochs per batch, chosen so that the update
-takes about as long as the rollout. Reported: the median step, rollout and update times over
+takes about as long as the rollout; one torch thread (``--async-threads``), so that the
+overlapped rollout and update each have one of this machine's two cores (with two threads
+each they fight over both: 0.77-0.78x measured). Reported: the median step, rollout and update times over
 the steps after the second, and the ratio async / sync (the issue's target: at most 0.6).
 
     python benchmarks/scale.py
@@ -140,7 +142,7 @@ ASYNC_RUN = [
     "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.vocab_size=512",
     "model.echo_steps=0", "warmup.steps=60", "rollout.prompts_per_step=8",
     "rollout.group_size=8", "rollout.max_turns=2", "rollout.max_tokens_per_turn=24",
-    "eval.every=1000", "eval.num_tasks=8", "save_every=1000", "max_minutes=0", "threads=2",
+    "eval.every=1000", "eval.num_tasks=8", "save_every=1000", "max_minutes=0",
 ]  # fmt: skip
 """The async section's run (with ``env.latency_s``, ``algorithm.epochs``, ``steps``)."""
 
@@ -152,13 +154,14 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "tool_latency_s": args.tool_latency, "epochs": args.epochs, "steps": args.async_steps,
+        "threads": args.async_threads,
     }  # fmt: skip
     keys = ("perf/step_s", "perf/rollout_s", "perf/train_s")
     with tempfile.TemporaryDirectory(prefix="scale-async-") as tmp:
         for k in (0, 1):
             settings = [
                 *ASYNC_RUN, f"env.latency_s={args.tool_latency}", f"algorithm.epochs={args.epochs}",
-                f"steps={args.async_steps}", f"algorithm.max_staleness={k}",
+                f"threads={args.async_threads}", f"steps={args.async_steps}", f"algorithm.max_staleness={k}",
             ]  # fmt: skip
             if args.smoke:
                 settings += ["warmup.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
@@ -188,6 +191,9 @@ def main() -> None:
     parser.add_argument("--tool-latency", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--async-steps", type=int, default=10)
+    parser.add_argument(
+        "--async-threads", type=int, default=1, help="torch threads (one core each)"
+    )
     smoke = {"repeats": 1, "samples": 8, "tool_latency": 0.05, "epochs": 1, "async_steps": 3}
     args = parse_args(parser, "scale", smoke)
     batch = samples(args.samples)
@@ -255,7 +261,8 @@ def main() -> None:
         lines += [
             "",
             f"## Asynchronous training ({a['tool_latency_s'] * 1000:.0f} ms tool, "
-            f"{a['epochs']} learner epochs a batch, {a['steps']} steps each)",
+            f"{a['epochs']} learner epochs a batch, {a['steps']} steps each, "
+            f"{a.get('threads', 2)} torch thread(s))",
             "",
             "| max_staleness | step s | rollout s | update s | tool calls / episode |",
             "|---|---|---|---|---|",
