@@ -267,8 +267,9 @@ class LearnerGroup:
 
     def _rank_failed(self, rank: int, text: str, label: str) -> None:
         """A rank raised: name a rank that died meanwhile as the cause, else this one."""
-        wait([p.sentinel for p in self._processes], FAILURE_GRACE_S)
-        dead = self._dead()
+        others = [p.sentinel for r, p in enumerate(self._processes) if r != rank]
+        wait(others, FAILURE_GRACE_S)  # the reporting rank may exit itself: not a cause
+        dead = [r for r in self._dead() if r != rank]
         last = text.strip().splitlines()[-1] if text.strip() else "an error"
         if dead:
             message = f"{self._deaths(dead, label)}; rank {rank} then failed: {last}"
@@ -276,6 +277,12 @@ class LearnerGroup:
         self._fail(f"rank {rank} failed in {label}: {last}\n{text}", [rank], label)
 
     def _dead(self) -> list[int]:
+        """The ranks whose process has ended. A process's sentinel is ready a moment before
+        it can be reaped: those are joined (briefly), so that their exit code is known."""
+        ended = set(wait([p.sentinel for p in self._processes], 0))
+        for p in self._processes:
+            if p.sentinel in ended and p.exitcode is None:
+                p.join(1.0)
         return [r for r, p in enumerate(self._processes) if p.exitcode is not None]
 
     def _deaths(self, dead: list[int], label: str) -> str:

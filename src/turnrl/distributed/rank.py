@@ -141,15 +141,7 @@ class ShardedLearner(Learner):
         """``Learner.step`` on this rank's shard (``batch``: rows to cut into micro-batches,
         or micro-batches; either may be empty), with the global normalisers; the metrics
         are the whole batch's, the same on every rank."""
-        cfg = self.config
-        if isinstance(batch, Batch):
-            micro = [
-                batch.select(slice(s, s + cfg.micro_batch.size))
-                for s in range(0, batch.num_sequences, cfg.micro_batch.size)
-            ]
-        else:
-            micro = list(batch)
-        micro = [mb.to(self.device) for mb in micro]
+        micro = self.micro_batches(batch)
         tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
         counts = torch.tensor(
             [

@@ -265,17 +265,20 @@ class Learner:
             metrics.update(self.critic.step(chunks, [g.returns for g in gae], values))
         return metrics
 
+    def micro_batches(self, batch: Batch | Sequence[Batch]) -> list[Batch]:
+        """``batch`` cut into micro-batches of ``micro_batch.size`` rows (or the given
+        micro-batches), on the model's device."""
+        if isinstance(batch, Batch):
+            size = self.config.micro_batch.size
+            micro = [batch.select(slice(s, s + size)) for s in range(0, batch.num_sequences, size)]
+        else:
+            micro = list(batch)
+        return [mb.to(self.device) for mb in micro]
+
     def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
         """One update from a batch (split into micro-batches) or from given micro-batches."""
         cfg = self.config
-        if isinstance(batch, Batch):
-            micro = [
-                batch.select(slice(s, s + cfg.micro_batch.size))
-                for s in range(0, batch.num_sequences, cfg.micro_batch.size)
-            ]
-        else:
-            micro = list(batch)
-        micro = [mb.to(self.device) for mb in micro]
+        micro = self.micro_batches(batch)
         self.model.train()
         num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
         num_sequences = sum(mb.num_sequences for mb in micro)
