@@ -23,8 +23,17 @@ overlapped rollout and update each have one of this machine's two cores (with tw
 each they fight over both: 0.77-0.78x measured). Reported: the median step, rollout and update times over
 the steps after the second, and the ratio async / sync (the issue's target: at most 0.6).
 
+Section ``workers``: rollout throughput with the episodes in process (1 and 2 torch
+threads) and on 1 and 2 Ray rollout workers (``cluster.rollout_workers``, one thread
+each), the same run synchronously: the async section's model and batch, with an
+instant tool (``--workers-latency``, 0 s: the rollout is the engine's compute, which more
+workers can split). Reported: median rollout seconds per step, episodes per second of
+rollout, and the weight sync to the workers (``perf/rollout_sync_s``). On this 2-core
+machine two workers have a core each while the driver waits for them.
+
     python benchmarks/scale.py
     python benchmarks/scale.py --sections async
+    python benchmarks/scale.py --sections workers
     python benchmarks/scale.py --smoke       # the tiny model only, one timed round
 
 Writes benchmarks/results/scale.json and .md (``--out``; ``--smoke``: a temporary
@@ -183,9 +192,53 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+WORKER_LAYOUTS = [  # (label, overrides)
+    ("in process, 1 thread", ["threads=1"]),
+    ("in process, 2 threads", ["threads=2"]),
+    ("1 worker", ["threads=1", "cluster.rollout_workers=1"]),
+    ("2 workers", ["threads=1", "cluster.rollout_workers=2"]),
+]
+
+
+def workers_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The same synchronous run in each ``WORKER_LAYOUTS``: rollout throughput."""
+    from turnrl.api import train
+    from turnrl.trainer.config import load_config
+
+    out: dict[str, Any] = {"tool_latency_s": args.workers_latency, "steps": args.async_steps}
+    with tempfile.TemporaryDirectory(prefix="scale-workers-") as tmp:
+        for i, (label, layout) in enumerate(WORKER_LAYOUTS):
+            settings = [
+                *ASYNC_RUN, f"env.latency_s={args.workers_latency}", "algorithm.epochs=1",
+                f"steps={args.async_steps}", *layout,
+            ]  # fmt: skip
+            if args.smoke:
+                settings += ["warmup.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
+            config = load_config("quickstart", settings)
+            rows = train(config, out=Path(tmp) / f"layout{i}", progress=False).rows
+            timed = [r for r in rows if "perf/step_s" in r][2:] or [
+                r for r in rows if "perf/step_s" in r
+            ]
+            episodes = config.rollout.prompts_per_step * config.rollout.group_size
+            rollout_s = statistics.median(r["perf/rollout_s"] for r in timed)
+            syncs = [r["perf/rollout_sync_s"] for r in timed if "perf/rollout_sync_s" in r]
+            out[label] = {
+                "rollout_s": rollout_s,
+                "step_s": statistics.median(r["perf/step_s"] for r in timed),
+                "episodes_per_s": episodes / rollout_s,
+                "sync_s": statistics.median(syncs) if syncs else None,
+                "timed_steps": len(timed),
+            }
+            print(label, json.dumps(out[label]), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["learner", "async"])
+    parser.add_argument("--sections", nargs="+", default=["learner", "async", "workers"])
+    parser.add_argument(
+        "--workers-latency", type=float, default=0.0, help="tool seconds (workers section)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tool-latency", type=float, default=0.5)
@@ -211,6 +264,7 @@ def main() -> None:
             rows.append(row)
             print(name, json.dumps({k: v for k, v in row.items() if k != "model"}), flush=True)
     asynchronous = async_section(args) if "async" in args.sections else kept.get("async")
+    workers = workers_section(args) if "workers" in args.sections else kept.get("workers")
     if "learner" not in args.sections:  # a section not re-run keeps its last figures
         rows = kept.get("rows", [])
     meta = {
@@ -223,7 +277,10 @@ def main() -> None:
         "tokens": sum(len(s.input_ids) for s in batch),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    data = {**meta, "rows": rows, **({"async": asynchronous} if asynchronous else {})}
+    data = {
+        **meta, "rows": rows, **({"async": asynchronous} if asynchronous else {}),
+        **({"workers": workers} if workers else {}),
+    }  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=2))
     lines = [
         "# Learner across ranks",
@@ -275,6 +332,28 @@ def main() -> None:
             f"Step time, async / sync: **{a['ratio']:.2f}x** (target: at most 0.6x). With "
             "max_staleness 1 the update column is the step's time not spent waiting for the "
             "batch collected ahead; the rollout ran beside the previous update.",
+        ]
+    if workers:
+        w = workers
+        base = w["in process, 1 thread"]["episodes_per_s"]
+        lines += [
+            "",
+            f"## Rollout workers ({w['tool_latency_s'] * 1000:.0f} ms tool, synchronous, "
+            f"{w['steps']} steps each)",
+            "",
+            "| episodes run | rollout s | episodes / s | vs in process, 1 thread | "
+            "weight sync to workers s |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {label} | {w[label]['rollout_s']:.2f} | {w[label]['episodes_per_s']:.1f} | "
+                f"{w[label]['episodes_per_s'] / base:.2f}x | "
+                + (f"{w[label]['sync_s']:.3f}" if w[label]["sync_s"] is not None else "-")
+                + " |"
+                for label, _ in WORKER_LAYOUTS
+            ),
+            "",
+            "Workers run one torch thread each; the driver (which trains) waits while they "
+            "sample. The evaluation's episodes run on the workers too (not timed here).",
         ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -120,13 +120,20 @@ def learning_proof(data: dict[str, Any], tmp: Path) -> None:
 
 def presets(data: dict[str, Any], tmp: Path) -> None:
     assert data["echo_steps"] == 2
+    assert "seed" not in data  # the seeds are the rows'
     rows = data["runs"]
-    assert [r["preset"] for r in rows] == ["grpo", "ppo"]
+    assert [(r["preset"], r["seed"]) for r in rows] == [
+        ("grpo", 0), ("grpo", 1), ("ppo", 0), ("ppo", 1)
+    ]  # fmt: skip
     for r in rows:
         assert r["variant"] == ""
         assert r["steps"] == 2
         curve_ok(r["curve"], 2)
-    assert (tmp / "runs" / "warmup-seed0-echo2" / "start_model" / "config.json").is_file()
+    for seed in (0, 1):
+        assert (tmp / "runs" / f"warmup-seed{seed}-echo2" / "start_model" / "config.json").is_file()
+        assert (tmp / "runs" / f"preset-grpo-seed{seed}" / "metrics.jsonl").is_file()
+    summary = (tmp / "presets.md").read_text()
+    assert "| grpo | 0 / 1 |" in summary  # one summary row per preset, every seed in it
 
 
 def reliability(data: dict[str, Any], tmp: Path) -> None:
@@ -255,6 +262,12 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     a = data["async"]
     assert a["k0"]["timed_steps"] == a["k1"]["timed_steps"] >= 1
     assert a["ratio"] == pytest.approx(a["k1"]["step_s"] / a["k0"]["step_s"])
+    w = data["workers"]
+    layouts = ["in process, 1 thread", "in process, 2 threads", "1 worker", "2 workers"]
+    assert all(w[k]["rollout_s"] > 0 and w[k]["episodes_per_s"] > 0 for k in layouts)
+    assert w["in process, 1 thread"]["sync_s"] is None  # nothing to sync in process
+    assert w["1 worker"]["sync_s"] > 0
+    assert w["2 workers"]["sync_s"] > 0
 
 
 CHECKS: dict[str, Check] = {

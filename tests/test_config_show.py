@@ -112,22 +112,23 @@ def test_an_old_and_a_new_name_together_are_refused(tmp_path: Path) -> None:
         load_config(None, ["algorithm.kl.coeff=0.1"])
 
 
-def test_the_cluster_section_is_shown_and_what_is_not_built_is_refused(
+def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["config", "show", "--set", "cluster.learner_ranks=2"]) == 0
     out = capsys.readouterr().out
     assert tomllib.loads(out)["cluster"] == {
-        "learner_ranks": 2, "rollout_workers": 1, "address": "",
+        "learner_ranks": 2, "rollout_workers": 0, "worker_timeout_s": 900.0, "address": "",
     }  # fmt: skip
-    assert (
-        "rollout_workers = 1  # Inference engines with their environments: not implemented" in out
-    )
-    with pytest.raises(ConfigError, match=r"cluster\.rollout_workers = 2: .*not implemented yet"):
-        load_config(None, ["cluster.rollout_workers=2"])
-    with pytest.raises(
-        ConfigError, match=r"cluster\.address = 'ray://head:10001': .*not implemented"
-    ):
-        load_config(None, ["cluster.address=ray://head:10001"])
-    with pytest.raises(ConfigError, match=r"cluster\.learner_ranks must be >= 0"):
-        load_config(None, ["cluster.learner_ranks=-1"])
+    assert "rollout_workers = 0  # Inference engines with their environments: 0 samples" in out
+    assert load_config(None, ["cluster.rollout_workers=2"]).cluster.rollout_workers == 2
+    warned = inert_settings(load_config(None, ["cluster.address=ray://head:10001"]))
+    assert warned == [
+        "cluster.address = 'ray://head:10001' has no effect: only rollout workers "
+        "(cluster.rollout_workers >= 1) join a Ray cluster"
+    ]
+    for key in ("learner_ranks", "rollout_workers"):
+        with pytest.raises(ConfigError, match=rf"cluster\.{key} must be >= 0"):
+            load_config(None, [f"cluster.{key}=-1"])
+    with pytest.raises(ConfigError, match=r"cluster\.worker_timeout_s must be > 0"):
+        load_config(None, ["cluster.worker_timeout_s=0"])

@@ -46,8 +46,9 @@ def train(
     served by the policy through an OpenAI-compatible endpoint and trained on, token-exact,
     in the model family's call format. Returns every metrics row and alarm of the run.
 
-    ``cluster.learner_ranks >= 1`` runs the learner as a group of that many processes
-    (``turnrl.distributed``); 0, the default, trains in this process.
+    ``cluster.learner_ranks >= 1`` runs the learner as a group of that many processes, and
+    ``cluster.rollout_workers >= 1`` the episodes on that many Ray actors
+    (``turnrl.distributed``); 0, the default for both, trains in this process.
     """
     if isinstance(recipe, Config):
         if overrides:
@@ -84,7 +85,8 @@ def train(
             config, env=EnvConfig(name=str(getattr(spec, "name", "custom")))
         )
     run_dir = Path(out) if out is not None else Path("runs") / config.name
-    if config.cluster.learner_ranks >= 1:  # the learner on ranks of its own
+    c = config.cluster
+    if c.learner_ranks >= 1 or c.rollout_workers >= 1:  # processes of their own
         from turnrl.distributed.driver import train as _train_with_group
 
         return _train_with_group(

@@ -1,7 +1,10 @@
-"""A training run whose learner is a ``LearnerGroup``: ``cluster.learner_ranks >= 1``.
+"""A training run beyond one process: its learner a ``LearnerGroup``
+(``cluster.learner_ranks >= 1``), its episodes on Ray rollout workers
+(``cluster.rollout_workers >= 1``, rollout_workers.py), or both.
 
 The loop is the in-process one (trainer/loop.py), unchanged: it takes a learner factory
-(``make_learner``), and ``train`` here gives it ``GroupLearner``, which has the part of the
+(``make_learner``) and a rollout workers' one (``make_workers``). ``train`` here gives it
+``RayRolloutWorkers`` and ``GroupLearner``, which has the part of the
 ``Learner`` interface the step, the loop and the checkpoints use (``model``, ``optimizer``,
 ``critic``, ``step_samples``, ``sampler_gap``, ``reference_kl``) and runs the update on the
 group's ranks. Nothing of the step is repeated here.
@@ -14,8 +17,9 @@ samples come from that version's weights only. Checkpoints are the in-process on
 driver's model, the optimizer's state in torch.optim's layout): a run resumes with any
 ``cluster.learner_ranks``, 0 included.
 
-Not here yet: rollout workers (Ray), several nodes, the weight broadcast to remote engines,
-a critic (``advantage = "gae"``), LoRA, activation checkpointing on the ranks.
+Not here yet: vLLM engines on the rollout workers, a weight broadcast other than through
+Ray's object store, and on the learner group a critic (``advantage = "gae"``), LoRA,
+activation checkpointing.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from typing import Any
 import torch
 
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
+from turnrl.distributed.rollout_workers import RayRolloutWorkers
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
 from turnrl.trainer.checkpoint import CheckpointWriteError, latest_checkpoint
 from turnrl.trainer.config import Config
-from turnrl.trainer.loop import LearnerSpec, RunResult
+from turnrl.trainer.loop import LearnerSpec, RunResult, WorkersSpec
 from turnrl.trainer.loop import train as train_in_loop
 from turnrl.types import Sample
 
@@ -52,22 +57,35 @@ def train(
     on_row: Callable[[dict[str, Any]], None] | None = None,
     env: EnvSpec | None = None,
 ) -> RunResult:
-    """``trainer.loop.train`` with the learner on ``cluster.learner_ranks`` ranks. A rank
-    that fails stops the run with a ``LearnerRankError`` naming it, and saying where
-    ``--resume`` continues from. Every rank is stopped when the run ends, however it ends."""
+    """``trainer.loop.train`` with the learner on ``cluster.learner_ranks`` ranks (if >= 1)
+    and the episodes on ``cluster.rollout_workers`` Ray actors (if >= 1). A rank that fails
+    stops the run with a ``LearnerRankError`` naming it, and saying where ``--resume``
+    continues from; a rollout worker that dies is replaced (rollout_workers.py). Every
+    rank and worker is stopped when the run ends, however it ends."""
     check_supported(config)
     started: list[GroupLearner] = []
+    workers: list[RayRolloutWorkers] = []
 
     def make_learner(spec: LearnerSpec) -> GroupLearner:
         learner = GroupLearner.start(spec)
         started.append(learner)
         return learner
 
+    def make_workers(spec: WorkersSpec) -> RayRolloutWorkers:
+        c = spec.config.cluster
+        fleet = RayRolloutWorkers(
+            spec, c.rollout_workers, address=c.address, call_timeout_s=c.worker_timeout_s
+        )
+        workers.append(fleet)
+        return fleet
+
     run_dir = Path(run_dir)
+    cluster = config.cluster
     try:
         return train_in_loop(
             config, run_dir, resume=resume, progress=progress, on_row=on_row, env=env,
-            make_learner=make_learner,
+            make_learner=make_learner if cluster.learner_ranks >= 1 else None,
+            make_workers=make_workers if cluster.rollout_workers >= 1 else None,
         )  # fmt: skip
     except LearnerRankError as exc:
         raise resumable(exc, run_dir) from exc
@@ -78,11 +96,29 @@ def train(
     finally:
         for learner in started:
             learner.group.close()
+        for fleet in workers:
+            fleet.close()
 
 
 def check_supported(config: Config) -> None:
-    """Refuse, before anything starts, what a ``LearnerGroup`` cannot train yet."""
+    """Refuse, before anything starts, what a ``LearnerGroup`` or the rollout workers
+    cannot do yet."""
+    workers = config.cluster.rollout_workers
+    if workers >= 1 and config.rollout.backend != "torch":
+        raise ConfigError(
+            f"rollout.backend = {config.rollout.backend!r} with cluster.rollout_workers = "
+            f"{workers}: the rollout workers run the torch engine only so far; set "
+            "rollout.backend = 'torch' or cluster.rollout_workers = 0"
+        )
+    if workers >= 1 and config.model.lora.rank > 0:
+        raise ConfigError(
+            f"model.lora.rank = {config.model.lora.rank} with cluster.rollout_workers = "
+            f"{workers}: the rollout workers do not sample LoRA adapters yet; set "
+            "model.lora.rank = 0 or cluster.rollout_workers = 0"
+        )
     ranks = config.cluster.learner_ranks
+    if ranks == 0:
+        return
     where = f"cluster.learner_ranks = {ranks}"
     instead = "set cluster.learner_ranks = 0 (in process) or"
     if config.model.lora.rank > 0:

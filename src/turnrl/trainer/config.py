@@ -603,39 +603,35 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Beyond one process: the learner's ranks (``cluster``; docs/scaling.md).
+    """Beyond one process: the learner's ranks and the rollout workers (``cluster``;
+    docs/scaling.md).
 
-    0 learner ranks is the single-process run, the reference every other layout must
-    match. Only the learner can be spread so far: several rollout workers (Ray) and a
-    cluster address are not built yet, and are refused rather than ignored."""
+    0 learner ranks and 0 rollout workers is the single-process run, the reference every
+    other layout must match."""
 
     learner_ranks: int = 0
     """Learner processes: 0 trains in this process (the reference); N >= 1 runs a
     ``LearnerGroup`` of N ranks under FSDP2 (gloo on a CPU, NCCL with one GPU per rank),
     whose update equals the in-process one within 1e-5. The engine samples in this
     process, loaded with the group's full weights after every update."""
-    rollout_workers: int = 1
-    """Inference engines with their environments: not implemented yet beyond 1 (the
-    engine in this process); another value is refused."""
+    rollout_workers: int = 0
+    """Inference engines with their environments: 0 samples in this process; N >= 1 runs
+    the episodes on N Ray actors (a local Ray cluster, or ``address``'s), each a torch
+    engine with its own environments, synced from the learner after every update. One
+    worker gives the in-process run's metrics exactly."""
+    worker_timeout_s: float = 900.0
+    """The deadline of each call to a rollout worker (a batch of episodes, a weight sync);
+    a worker that misses it stops the run with an error naming it."""
     address: str = ""
-    """A Ray cluster to join (``ray start --head``): not implemented yet, only "" (this
-    machine) is accepted."""
+    """The Ray cluster the rollout workers join (``ray start --head`` prints it, e.g.
+    ``"auto"`` or ``"ray://head:10001"``); "" starts a local one on this machine."""
 
     def __post_init__(self) -> None:
         _require(
             [
                 (self.learner_ranks >= 0, "cluster.learner_ranks must be >= 0"),
-                (
-                    self.rollout_workers == 1,
-                    f"cluster.rollout_workers = {self.rollout_workers}: several rollout "
-                    "workers are not implemented yet; only 1 (the engine in this process) "
-                    "is supported",
-                ),
-                (
-                    self.address == "",
-                    f"cluster.address = {self.address!r}: joining a Ray cluster is not "
-                    'implemented yet; only "" (this machine) is supported',
-                ),
+                (self.rollout_workers >= 0, "cluster.rollout_workers must be >= 0"),
+                (self.worker_timeout_s > 0, "cluster.worker_timeout_s must be > 0"),
             ]
         )
 
@@ -935,6 +931,11 @@ def inert_settings(config: Config) -> list[str]:
             out.setdefault(
                 key, f"algorithm.{key} = {value!r} has no effect: it applies only with {when}"
             )
+    if config.cluster.address and config.cluster.rollout_workers == 0:
+        out["cluster.address"] = (
+            f"cluster.address = {config.cluster.address!r} has no effect: only rollout "
+            "workers (cluster.rollout_workers >= 1) join a Ray cluster"
+        )
     return list(out.values())
 
 

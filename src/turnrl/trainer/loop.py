@@ -52,7 +52,7 @@ from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.pipeline import stepper
 from turnrl.trainer.sinks import MetricSinks, trim_run_files
-from turnrl.trainer.step import Trainer
+from turnrl.trainer.step import RolloutWorkers, Trainer, run_groups
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 
 Row = dict[str, Any]
@@ -97,6 +97,28 @@ step, the loop and the checkpoints use: ``model`` (the spec's), ``optimizer``
 ``reference_kl``. ``turnrl.distributed`` gives one backed by a ``LearnerGroup``."""
 
 
+@dataclass(frozen=True)
+class WorkersSpec:
+    """What the run's rollout workers are made from: ``train``'s ``make_workers`` is called
+    with it once, when the policy's weights and version are those the first step samples
+    with (after the warm-up, or the resumed checkpoint's)."""
+
+    config: Config
+    """The run's configuration, resolved."""
+    env: EnvSpec
+    """The environment family the workers run episodes of."""
+    model: Any
+    """The policy in this process, whose weights the workers start with."""
+    tokenizer: Any
+    version: int
+    """Its policy version."""
+
+
+MakeWorkers = Callable[[WorkersSpec], RolloutWorkers]
+"""Makes the run's rollout workers (``step.RolloutWorkers``); ``turnrl.distributed`` gives
+Ray actors for ``cluster.rollout_workers >= 1``."""
+
+
 def in_process_learner(spec: LearnerSpec) -> Learner:
     """The reference learner: in this process, training ``spec.model`` itself. A KL
     reference is the start policy: on a fresh run the model as it is now (the learner
@@ -123,17 +145,26 @@ def train(
     on_row: Callable[[Row], None] | None = None,
     env: EnvSpec | None = None,
     make_learner: MakeLearner | None = None,
+    make_workers: MakeWorkers | None = None,
 ) -> RunResult:
     """Run ``config`` into ``run_dir``; with ``resume`` continue from its last checkpoint.
     ``env``: an environment family object to train on instead of ``config.env``'s.
     ``make_learner``: the learner's factory (``MakeLearner``); None trains in this process
-    (``in_process_learner``). ``turnrl.train`` passes the group's for
-    ``cluster.learner_ranks >= 1``."""
+    (``in_process_learner``). ``make_workers``: the rollout workers' (``MakeWorkers``);
+    None samples in this process. ``turnrl.train`` passes ``turnrl.distributed``'s for
+    ``cluster.learner_ranks >= 1`` and ``cluster.rollout_workers >= 1``; whoever makes
+    them stops them."""
     if make_learner is None and config.cluster.learner_ranks > 0:
         raise ConfigError(
             f"cluster.learner_ranks = {config.cluster.learner_ranks} runs through turnrl.train "
             "(or `turnrl train`), which starts the learner group; trainer.loop.train alone "
             "trains in this process (cluster.learner_ranks = 0)"
+        )
+    if make_workers is None and config.cluster.rollout_workers > 0:
+        raise ConfigError(
+            f"cluster.rollout_workers = {config.cluster.rollout_workers} runs through "
+            "turnrl.train (or `turnrl train`), which starts the workers; trainer.loop.train "
+            "alone samples in this process (cluster.rollout_workers = 0)"
         )
     run_dir = Path(run_dir)
     if (run_dir / "metrics.jsonl").exists() and not resume:
@@ -156,7 +187,7 @@ def train(
             _say(f"resuming {since}: dropped {count} record(s) of {name} written later "
                  "or torn", progress)  # fmt: skip
     try:
-        return _run(config, run_dir, spec, checkpoint, progress, on_row, make_learner)
+        return _run(config, run_dir, spec, checkpoint, progress, on_row, make_learner, make_workers)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -177,6 +208,7 @@ def _run(
     progress: bool,
     on_row: Callable[[Row], None] | None,
     make_learner: MakeLearner | None = None,
+    make_workers: MakeWorkers | None = None,
 ) -> RunResult:
     """The run itself, its files open: start (or resume), evaluate, train step by step."""
     result = RunResult(run_dir)
@@ -200,6 +232,9 @@ def _run(
         monitor = Monitor(config.monitor)
         first.update(check_template(t, progress))
         first.update(check_sampler(t))
+        if make_workers is not None:  # they start with the weights step 1 samples with
+            made = WorkersSpec(config, spec, t.learner.model, tokenizer, t.backend.policy_version)
+            t = dataclasses.replace(t, workers=make_workers(made))
         if checkpoint is None:
             emit({**first, **evaluate(t)})
         else:  # replay the run so far: raised alarms stay latched
@@ -274,12 +309,7 @@ def _start(
     device = _device(m.device)
     # float32 master weights whatever the precision: bf16-mixed only autocasts the compute
     model = load_model(model_path, dtype=torch.float32, device=device, attention=m.attention)
-    r = config.rollout
-    sampling = SamplingParams(r.temperature, r.top_p, stop_token_ids(tokenizer))
-    limits = EpisodeLimits(
-        r.max_turns, r.max_tokens_per_turn, r.max_episode_tokens, r.max_context_tokens,
-        timeout_s=r.episode_timeout_s or None,
-    )  # fmt: skip
+    sampling, limits = episode_settings(config, tokenizer)
     renderer = ChatRenderer(tokenizer)
     first: Row = {"step": 0}
     if checkpoint is None and config.warmup.steps > 0:
@@ -302,7 +332,7 @@ def _start(
     if m.gradient_checkpointing:
         _checkpoint_activations(model)
     resumed = checkpoint is not None
-    made = LearnerSpec(model, config, run_dir / "start_model", resumed, _autocast(config))
+    made = LearnerSpec(model, config, run_dir / "start_model", resumed, autocast_dtype(config))
     learner = (make_learner or in_process_learner)(made)
     backend = _backend(config, model, tokenizer, model_path)
     return (
@@ -310,6 +340,17 @@ def _start(
         tokenizer,
         first,
     )
+
+
+def episode_settings(config: Config, tokenizer: Any) -> tuple[SamplingParams, EpisodeLimits]:
+    """How episodes are sampled and where they stop (``[rollout]``), for any engine."""
+    r = config.rollout
+    sampling = SamplingParams(r.temperature, r.top_p, stop_token_ids(tokenizer))
+    limits = EpisodeLimits(
+        r.max_turns, r.max_tokens_per_turn, r.max_episode_tokens, r.max_context_tokens,
+        timeout_s=r.episode_timeout_s or None,
+    )  # fmt: skip
+    return sampling, limits
 
 
 def _device(name: str) -> torch.device:
@@ -334,7 +375,7 @@ def _checkpoint_activations(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
-def _autocast(config: Config) -> torch.dtype | None:
+def autocast_dtype(config: Config) -> torch.dtype | None:
     """The dtype the learner's and the torch sampler's compute is autocast to, if any."""
     return torch.bfloat16 if config.model.precision == "bf16-mixed" else None
 
@@ -371,7 +412,7 @@ def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Ba
     if config.rollout.backend == "torch":  # the learner's own model: nothing to sync
         if config.algorithm.max_staleness > 0:  # it samples while the learner updates
             model = copy.deepcopy(model)
-        return TorchBackend(model, tokenizer, autocast=_autocast(config))
+        return TorchBackend(model, tokenizer, autocast=autocast_dtype(config))
     from turnrl.backends.vllm_backend import VLLMBackend
 
     r = config.rollout
@@ -479,7 +520,7 @@ def evaluate(t: Trainer) -> Row:
     c = t.config
     tasks = [t.spec.task(i, split="test") for i in range(c.eval.num_tasks)]
     eval_spec = GroupSpec(1, t.limits, t.sampling, seed=derive_seed(c.seed, "eval"))
-    groups = t.backend.run(collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, eval_spec))
+    groups = run_groups(t, tasks, eval_spec)  # on the rollout workers, if the run has any
     check_failures([x for g in groups for x in g], c.rollout.max_error_frac, where="evaluation")
     metrics = rollout_metrics(groups)
     return {

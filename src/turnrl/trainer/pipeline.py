@@ -25,7 +25,15 @@ import time
 from typing import TextIO
 
 from turnrl.errors import TurnrlError
-from turnrl.trainer.step import Collected, Row, Trainer, rollout_phase, train_step, update_phase
+from turnrl.trainer.step import (
+    Collected,
+    Row,
+    Trainer,
+    rollout_phase,
+    sync_engines,
+    train_step,
+    update_phase,
+)
 
 AHEAD_DEADLINE_S = 3600.0
 """How long the loop waits for a batch collected ahead when episodes have no time limit
@@ -68,10 +76,12 @@ class Ahead:
         version = self.learner_version(t)
         collected = self._batch(t, step)
         waited = time.perf_counter() - started
+        synced: Row = {}
         if step + 1 < t.config.steps:  # the next batch, sampled by the weights of now
-            self._bring_engine(t)
+            synced = self._bring_engine(t)
             self._ahead = (step + 1, self._pool.submit(rollout_phase, t, step + 1))
         row = update_phase(t, step, collected, version, trajectories_out)
+        row.update(synced)
         self._version = version + 1
         step_s = time.perf_counter() - started
         row["perf/rollout_s"], row["perf/rollout_wait_s"] = collected.rollout_s, waited
@@ -124,12 +134,13 @@ class Ahead:
                 f"finish within {deadline:.0f} s"
             ) from exc
 
-    def _bring_engine(self, t: Trainer) -> None:
-        """The engine gets the learner's weights and version (nothing is sampling now)."""
+    def _bring_engine(self, t: Trainer) -> Row:
+        """The engine (and the rollout workers) get the learner's weights and version
+        (nothing is sampling now); the workers' sync metrics."""
         version = self.learner_version(t)
         if t.backend.policy_version != version:
-            t.backend.sync(t.learner.model)
-            t.backend.policy_version = version
+            return sync_engines(t, version)
+        return {}
 
 
 def stepper(t: Trainer) -> Synchronous | Ahead:

@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
@@ -36,13 +36,33 @@ from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
 from turnrl.trainer.config import Config
 from turnrl.trainer.credit import ESTIMATORS, KL, Estimator, SampleValues
 from turnrl.trainer.learner import Learner
-from turnrl.types import Sample, Trajectory
+from turnrl.types import Sample, Task, Trajectory
 
 Row = dict[str, Any]
 Groups = list[list[Trajectory]]
 
 EXTRA_TASKS = 10**9
 """Task indices of dynamic sampling's extra rounds start here, away from the main stream."""
+
+
+class RolloutWorkers(Protocol):
+    """Engines with their environments beside this process (``cluster.rollout_workers``;
+    ``turnrl.distributed`` gives Ray actors): they run a batch's episodes instead of the
+    trainer's own engine, which then only probes the sampler at start-up."""
+
+    def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+        """``collect_groups`` of ``tasks`` with ``spec``, spread over the workers: the
+        groups in task order, every task's exactly once."""
+        ...
+
+    def sync(self, model: Any, version: int) -> dict[str, float]:
+        """Every worker takes ``model``'s weights as policy version ``version`` (between
+        batches, never while sampling); metrics of the sync."""
+        ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """What happened to the workers since the last call (restarts), as metrics."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,8 @@ class Trainer:
     """``algorithm.advantage``, resolved (credit.ESTIMATORS)."""
     update: Callable[[Sequence[Sample], Sequence[float | list[float]], int], dict[str, float]]
     """The learner's update for that estimator: advantages, or a critic's token rewards."""
+    workers: RolloutWorkers | None = None
+    """Where the episodes run, if not on ``backend`` (``cluster.rollout_workers`` >= 1)."""
 
     @classmethod
     def build(
@@ -81,12 +103,31 @@ class Trainer:
         return dataclasses.replace(self, config=config)
 
 
+def run_groups(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+    """``tasks``' groups of episodes: on the rollout workers if the run has any, else on
+    the trainer's engine."""
+    if t.workers is not None:
+        return t.workers.collect(tasks, spec)
+    return t.backend.run(collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, spec))
+
+
+def sync_engines(t: Trainer, version: int | None = None) -> Row:
+    """After an update: the engine takes the learner's weights (its policy version moves
+    on, or becomes ``version``), and so do the rollout workers; the workers' sync metrics."""
+    t.backend.sync(t.learner.model)
+    if version is not None:
+        t.backend.policy_version = version
+    if t.workers is None:
+        return {}
+    return t.workers.sync(t.learner.model, t.backend.policy_version)
+
+
 def train_step(t: Trainer, step: int, trajectories_out: TextIO) -> Row:
     """One RL step: the metrics row of ``step`` (counted from 0; the row says step + 1)."""
     t0 = time.perf_counter()
     collected = rollout_phase(t, step)
     row = update_phase(t, step, collected, t.backend.policy_version, trajectories_out)
-    t.backend.sync(t.learner.model)  # 6. the engine samples with the new weights from here on
+    row.update(sync_engines(t))  # 6. the engines sample with the new weights from here on
     return timed(row, collected.rollout_s, time.perf_counter() - t0)
 
 
@@ -185,15 +226,13 @@ def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
         group_spec = GroupSpec(
             r.group_size, t.limits, t.sampling, seed=seed, policy_version=t.backend.policy_version
         )
-        new = t.backend.run(
-            collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, group_spec)
-        )
+        new = run_groups(t, tasks, group_spec)
         sampled.extend(new)
         rounds += 1
         if algo.filter.dynamic_sampling:
             new = [g for g in new if _informative(g)]
         kept.extend(new)
-    row: Row = {}
+    row: Row = t.workers.take_metrics() if t.workers is not None else {}
     if algo.filter.dynamic_sampling:
         row["select/sample_rounds"] = float(rounds)
         row["select/groups_sampled"] = float(len(sampled))

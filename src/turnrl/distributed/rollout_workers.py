@@ -1,0 +1,314 @@
+"""Rollout workers: engines with their environments, as Ray actors (``cluster.rollout_workers``).
+
+``RolloutWorker`` is one engine (the torch backend) and the run's environment family in one
+process. It runs the same ``collect_groups`` as the trainer's own engine, so it works in
+this process as well as inside a Ray actor (the tests compare the two).
+
+``RayRolloutWorkers`` is the driver's side (``step.RolloutWorkers``): N actors on a local
+Ray cluster, or on the one at ``cluster.address``. A batch of tasks is cut into contiguous
+shards, one per worker, and the groups come back in task order. An episode's seed depends
+only on (run seed, task, sample index), so a task's episodes do not depend on which worker
+ran them. The engines' floating-point work can still differ slightly with the batch they
+share, so only one worker reproduces the in-process run bit for bit.
+
+Weight sync: the learner's whole state dict goes once into Ray's object store (shared
+memory on a node), and every worker loads it with the driver's policy version, between
+batches and never while sampling. ``perf/rollout_sync_s`` is the time it takes.
+
+Faults: every call has a deadline, and a worker that misses it stops the run with an error
+that names it. A worker that dies (its process killed, its node lost) is replaced by a new
+actor holding the current weights and version, and its whole shard runs again. The dead
+worker's episodes were never handed over, so none is lost and none is counted twice; with
+the same weights and seeds the rerun gives the episodes the dead worker would have given.
+``rollout/worker_restarts`` counts the replacements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from turnrl.backends.torch_backend import TorchBackend
+from turnrl.envs import EnvSpec
+from turnrl.errors import ConfigError, TurnrlError
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.groups import GroupSpec, collect_groups
+from turnrl.trainer.config import Config
+from turnrl.trainer.loop import WorkersSpec, autocast_dtype, episode_settings
+from turnrl.types import Task, Trajectory
+
+Groups = list[list[Trajectory]]
+
+START_TIMEOUT_S = 300.0
+"""How long a worker may take to start: its process, the imports, the model loaded."""
+CALL_TIMEOUT_S = 900.0
+"""The deadline of one batch of episodes on one worker, and of one weight sync
+(``cluster.worker_timeout_s`` by default)."""
+MAX_RESTARTS = 2
+"""How many times one shard of one batch is re-run on a fresh worker before the run stops
+(a shard that kills every worker it runs on is a bug, not bad luck)."""
+
+
+class RolloutWorkerError(TurnrlError):
+    """A rollout worker failed: it missed a deadline, raised, or kept dying."""
+
+
+class RolloutWorker:
+    """An engine and an environment family in one process: runs groups of episodes.
+
+    ``model`` is this worker's own copy of the policy (a Ray actor receives one);
+    ``version`` its policy version, recorded on every turn it samples."""
+
+    def __init__(
+        self,
+        config: Config,
+        env: EnvSpec,
+        model: Any,
+        tokenizer: Any,
+        version: int,
+        threads: int,
+    ) -> None:
+        torch.set_num_threads(threads)
+        self.env = env
+        self.sampling, self.limits = episode_settings(config, tokenizer)
+        self.renderer = ChatRenderer(tokenizer)
+        self.backend = TorchBackend(model, tokenizer, autocast=autocast_dtype(config))
+        self.backend.policy_version = version
+
+    def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+        """``tasks``' groups of episodes, ``spec.group_size`` each, in task order."""
+        program = collect_groups(tasks, self.env.make_env, self.backend, self.renderer, spec)
+        return self.backend.run(program)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Take the learner's weights as policy version ``version`` (the engine's cached
+        keys and values of the old weights are dropped)."""
+        with torch.no_grad():
+            self.backend.model.load_state_dict(weights)
+        self.backend.sync(self.backend.model)
+        self.backend.policy_version = version
+
+    def pid(self) -> int:
+        """This worker's process id (the tests kill it)."""
+        return os.getpid()
+
+
+class RayRolloutWorkers:
+    """``num_workers`` ``RolloutWorker`` actors, the driver's handle on them."""
+
+    def __init__(
+        self,
+        spec: WorkersSpec,
+        num_workers: int,
+        *,
+        address: str = "",
+        threads: int = 0,
+        start_timeout_s: float = START_TIMEOUT_S,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.ray = _import_ray()
+        self.num_workers = num_workers
+        self.call_timeout_s = call_timeout_s
+        self.start_timeout_s = start_timeout_s
+        cores = os.cpu_count() or 1
+        self.threads = threads or spec.config.threads or max(1, cores // num_workers)
+        self._owns_cluster = False
+        self.actors: list[Any] = []
+        if not self.ray.is_initialized():
+            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if not address:  # a cluster of this machine, with room for every worker
+                options["num_cpus"] = max(cores, num_workers)
+            try:
+                self.ray.init(address=address or None, **options)
+            except ConnectionError as exc:
+                raise ConfigError(join_failure(address, exc)) from exc
+            self._owns_cluster = True
+        self._spec = spec
+        try:
+            env_ref = self.ray.put(spec.env)
+        except Exception as exc:  # e.g. an agent's endpoint, a lock, an open socket
+            self.close()
+            raise ConfigError(
+                f"the environment family {type(spec.env).__name__} cannot be sent to the "
+                f"rollout workers (it must pickle; its code importable on every node): {exc}"
+            ) from exc
+        self._actor_class = self.ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
+        self._shared = (  # what every worker is made from, put once
+            self.ray.put(spec.config),
+            env_ref,
+            self.ray.put(spec.tokenizer),
+        )
+        self._start_model = self.ray.put(spec.model)
+        """What every worker is built from (a replacement then loads ``_weights``)."""
+        self._weights: Any = None
+        """The newest synced state dict in the object store (None before the first sync)."""
+        self._version = spec.version
+        self._restarts = 0
+        try:
+            started = [self._new_actor() for _ in range(num_workers)]
+            self.actors = [actor for actor, _ in started]
+            readiness = [ready for _, ready in started]
+            where = "start (each needs 1 free CPU of the Ray cluster: `ray status` shows them)"
+            self._wait(readiness, where, start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+        """``collect_groups`` of ``tasks`` across the workers, one contiguous shard each;
+        a worker that dies is replaced and its shard run again."""
+        shards = contiguous_shards(len(tasks), self.num_workers)
+        pending = {
+            self.actors[w].collect.remote(tasks[lo:hi], spec): (w, lo, hi, 0)
+            for w, (lo, hi) in enumerate(shards)
+            if hi > lo
+        }
+        done: dict[int, Groups] = {}
+        deadline = time.monotonic() + self.call_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))
+            if not ready:
+                late = sorted(w for w, *_ in pending.values())
+                raise RolloutWorkerError(
+                    f"rollout worker(s) {_listed(late)} did not return their episodes within "
+                    f"{self.call_timeout_s:.0f} s (a hung environment or engine?)"
+                )
+            ref = ready[0]
+            w, lo, hi, tries = pending.pop(ref)
+            try:
+                done[lo] = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError as exc:  # the worker died
+                if tries >= MAX_RESTARTS:
+                    raise RolloutWorkerError(
+                        f"rollout worker {w} died {tries + 1} times running tasks {lo}..{hi - 1} "
+                        f"of a batch: {exc}"
+                    ) from exc
+                self._replace(w)
+                retry = self.actors[w].collect.remote(tasks[lo:hi], spec)
+                pending[retry] = (w, lo, hi, tries + 1)
+                deadline = time.monotonic() + self.call_timeout_s
+            except self.ray.exceptions.RayTaskError as exc:  # it raised: a bug, not bad luck
+                raise RolloutWorkerError(
+                    f"rollout worker {w} failed running tasks {lo}..{hi - 1}: {exc}"
+                ) from exc
+        return [group for lo in sorted(done) for group in done[lo]]
+
+    def sync(self, model: Any, version: int) -> dict[str, float]:
+        """Every worker takes ``model``'s weights as policy version ``version``."""
+        t0 = time.perf_counter()
+        weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+        self._weights, self._version = self.ray.put(weights), version
+        calls = [a.load_weights.remote(self._weights, version) for a in self.actors]
+        _, late = self.ray.wait(calls, num_returns=len(calls), timeout=self.call_timeout_s)
+        if late:
+            raise RolloutWorkerError(
+                f"rollout worker(s) {_listed([calls.index(r) for r in late])}: the weight sync "
+                f"did not finish within {self.call_timeout_s:.0f} s"
+            )
+        for w, ref in enumerate(calls):
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:  # died: its replacement loads them
+                self._replace(w)
+        return {"perf/rollout_sync_s": time.perf_counter() - t0}
+
+    def take_metrics(self) -> dict[str, float]:
+        """``rollout/worker_restarts`` since the last call."""
+        restarts, self._restarts = self._restarts, 0
+        return {"rollout/worker_restarts": float(restarts)}
+
+    def close(self) -> None:
+        """Stop every worker (and the local Ray cluster, if this started it)."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already gone
+                self.ray.kill(actor)
+        self.actors = []
+        if self._owns_cluster:
+            self.ray.shutdown()
+            self._owns_cluster = False
+
+    def pids(self) -> list[int]:
+        """The workers' process ids."""
+        return list(self._wait([a.pid.remote() for a in self.actors], "pid", 60.0))
+
+    def _new_actor(self) -> tuple[Any, Any]:
+        """A worker built from the start model, with the current weights if a sync has
+        happened since (its version is then the driver's); and the call to wait for
+        before it is ready."""
+        config, env, tokenizer = self._shared
+        actor = self._actor_class.remote(
+            config, env, self._start_model, tokenizer, self._spec.version, self.threads
+        )
+        if self._weights is not None:
+            return actor, actor.load_weights.remote(self._weights, self._version)
+        return actor, actor.pid.remote()
+
+    def _replace(self, w: int) -> None:
+        """A fresh actor for dead worker ``w``, with the current weights and version."""
+        self._restarts += 1
+        with contextlib.suppress(Exception):
+            self.ray.kill(self.actors[w])
+        self.actors[w], ready = self._new_actor()
+        self._wait([ready], f"restarting rollout worker {w}", self.start_timeout_s)
+
+    def _wait(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+        """``ray.get`` of ``refs`` within ``timeout_s``; an error naming ``what`` if not."""
+        _, late = self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            workers = [i for i, r in enumerate(refs) if r in late]
+            raise RolloutWorkerError(
+                f"rollout worker(s) {_listed(workers)}: {what} did not finish within "
+                f"{timeout_s:.0f} s"
+            )
+        try:
+            return list(self.ray.get(refs))
+        except self.ray.exceptions.RayError as exc:
+            raise RolloutWorkerError(f"rollout workers: {what} failed: {exc}") from exc
+
+
+def contiguous_shards(n: int, num_shards: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` bounds cutting ``n`` items into ``num_shards`` contiguous runs whose
+    sizes differ by at most one (the first ones larger); empty runs where n < num_shards."""
+    base, extra = divmod(n, num_shards)
+    bounds, lo = [], 0
+    for k in range(num_shards):
+        hi = lo + base + (k < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def join_failure(address: str, exc: BaseException) -> str:
+    """Why the Ray cluster at ``address`` could not be joined, and what to do."""
+    message = f"cluster.address = {address!r}: cannot join the Ray cluster: {exc}"
+    if "auth" in f"{exc} {exc.__cause__}".lower():  # `ray start` turns token auth on
+        message += (
+            ". The cluster checks a token (Ray's default for `ray start`): run with "
+            "RAY_AUTH_MODE=token, and the head's ~/.ray/auth_token on this machine (or "
+            "RAY_AUTH_TOKEN set to it)"
+        )
+    return message
+
+
+def _listed(workers: Sequence[int]) -> str:
+    return ", ".join(str(w) for w in workers)
+
+
+def _import_ray() -> Any:
+    """Ray, or an error saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            "cluster.rollout_workers >= 1 runs the workers as Ray actors: install Ray "
+            "(pip install 'turnrl[ray]')"
+        ) from exc
+    return ray

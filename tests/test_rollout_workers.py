@@ -1,0 +1,301 @@
+"""Rollout workers (``cluster.rollout_workers``) against the in-process run, end to end: real
+Ray actors on a local Ray cluster, the small-run settings. One worker gives the in-process
+metrics exactly; two agree with it up to float rounding; a worker killed mid-step is
+replaced and its shard run again, so the run's episodes and metrics are those of a run
+without the kill; a hung worker stops the run naming it; asynchronous training collects
+the same prompts on workers; `turnrl train` joins a cluster started with `ray start`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SMALL_RUN
+from turnrl.api import train
+from turnrl.distributed.rollout_workers import RolloutWorkerError, contiguous_shards
+from turnrl.envs import make_env_spec
+from turnrl.errors import ConfigError
+from turnrl.trainer.config import Config, load_config
+
+ray = pytest.importorskip("ray")
+
+Row = dict[str, Any]
+
+RUN = [*SMALL_RUN, "steps=3", "threads=1", "algorithm.entropy_coef=0.05", "algorithm.lr=0.01"]
+# Two workers batch each half of the episodes apart, so the engines' sums run over other
+# paddings: float32 rounding in the sampler's log-probs (measured: 5e-9 in
+# train/logprob_mismatch; the sampled tokens, rewards and updates are the same).
+ABS = 1e-6
+
+
+def config(workers: int, *more: str) -> Config:
+    return load_config(None, [*RUN, f"cluster.rollout_workers={workers}", *more])
+
+
+def rows(run_dir: Path) -> list[Row]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: Row) -> Row:
+    """A row without wall-clock times, and without the workers' own counters."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith("perf/") and k not in ("warmup/s", "rollout/worker_restarts")
+    }
+
+
+def episodes(run_dir: Path) -> list[tuple[int, str, int, float]]:
+    """(step, task, sample, reward) of every logged trajectory, in the order written."""
+    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
+    return [
+        (t["step"], t["task_id"], t["sample_index"], t["reward"]) for t in map(json.loads, lines)
+    ]
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """One local Ray cluster for the module's runs (the workers join it; each run starting
+    its own is the command-line test's case)."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, local_ray: None) -> dict[str, Path]:
+    """The same run in process, on one worker and on two."""
+    base = tmp_path_factory.mktemp("workers")
+    out = {}
+    for name, workers in (("in_process", 0), ("one", 1), ("two", 2)):
+        out[name] = base / name
+        train(config(workers), out=out[name], progress=False)
+    return out
+
+
+def test_one_worker_gives_the_in_process_run(runs: dict[str, Path]) -> None:
+    expected, got = rows(runs["in_process"]), rows(runs["one"])
+    assert [deterministic(r) for r in got] == [deterministic(r) for r in expected]
+    assert episodes(runs["one"]) == episodes(runs["in_process"])
+    assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])  # a sync after every update
+    assert [r["rollout/worker_restarts"] for r in got[1:]] == [0.0, 0.0, 0.0]
+
+
+def test_two_workers_agree_with_the_in_process_run(runs: dict[str, Path]) -> None:
+    expected, got = rows(runs["in_process"]), rows(runs["two"])
+    assert episodes(runs["two"]) == episodes(runs["in_process"])  # the same samples
+    for g, e in zip(got, expected, strict=True):
+        assert deterministic(g).keys() == deterministic(e).keys()
+        for key, value in deterministic(e).items():
+            assert g[key] == pytest.approx(value, abs=ABS), (g["step"], key)
+
+
+class Tripwire:
+    """The small run's environment family, whose environments do something bad when a
+    file exists: ``kill`` (the first to find it, claimed by renaming, kills its own process:
+    one worker dies mid-step, its other episodes in flight) or ``hang`` (every reset
+    sleeps a minute)."""
+
+    def __init__(self, directory: Path) -> None:
+        env = config(0).env
+        self.inner = make_env_spec(env.name, **env.options)
+        self.directory = str(directory)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "inner":  # unpickling asks before inner is set
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def task(self, index: int, split: str = "train") -> Any:
+        return self.inner.task(index, split)
+
+    def make_env(self) -> Any:
+        return TripwireEnv(self.inner.make_env(), self.directory)
+
+
+class TripwireEnv:
+    def __init__(self, env: Any, directory: str) -> None:
+        self.env = env
+        self.directory = directory
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "env":
+            raise AttributeError(name)
+        return getattr(self.env, name)
+
+    async def reset(self, task: Any, seed: int) -> Any:
+        kill = os.path.join(self.directory, "kill")
+        try:
+            os.rename(kill, kill + ".fired")
+        except FileNotFoundError:
+            pass
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if os.path.exists(os.path.join(self.directory, "hang")):
+            time.sleep(60)
+        return await self.env.reset(task, seed)
+
+
+@pytest.fixture(scope="module")
+def by_value() -> None:
+    """Ray workers import this test module's classes from the pickles (not importable there)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def test_a_worker_killed_mid_step_loses_no_episode(
+    runs: dict[str, Path], tmp_path: Path, by_value: None
+) -> None:
+    """Killed at the start of step 2's rollout, worker 0 or 1 is replaced and its shard
+    collected again: every step has the episodes, and the metrics, of the run without the
+    kill (``runs["two"]``), and the restart is counted at step 2."""
+    family = Tripwire(tmp_path)
+
+    def arm(row: Row) -> None:
+        if row["step"] == 1:
+            (tmp_path / "kill").write_text("")
+
+    out = tmp_path / "run"
+    train(config(2), env=family, out=out, progress=False, on_row=arm)
+    assert (tmp_path / "kill.fired").exists()  # a worker did die
+    got = rows(out)
+    assert [r.get("rollout/worker_restarts") for r in got] == [None, 0.0, 1.0, 0.0]
+    assert episodes(out) == episodes(runs["two"])
+    assert [deterministic(r) for r in got] == [deterministic(r) for r in rows(runs["two"])]
+
+
+def test_a_hung_worker_stops_the_run_naming_it(
+    tmp_path: Path, local_ray: None, by_value: None
+) -> None:
+    def arm(row: Row) -> None:  # after the start-up checks, which reset environments here
+        if row["step"] == 0:
+            (tmp_path / "hang").write_text("")
+
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=r"rollout worker\(s\) 0, 1 did not return .* 3 s"):
+        train(
+            config(2, "cluster.worker_timeout_s=3"), env=Tripwire(tmp_path),
+            out=tmp_path / "run", progress=False, on_row=arm,
+        )  # fmt: skip
+    assert time.monotonic() - started < 50  # not the minute the environments sleep
+
+
+def test_asynchronous_training_on_workers_collects_the_same_prompts(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """One version stale on two workers: each step trains on exactly the prompts (and
+    samples) of the synchronous run, sampled one version behind the learner."""
+    out = tmp_path / "run"
+    train(config(2, "algorithm.max_staleness=1"), out=out, progress=False)
+    got = rows(out)
+    assert [r["rollout/staleness_1"] for r in got[1:]] == [0.0, 1.0, 1.0]
+    ids = [(step, task, sample) for step, task, sample, _ in episodes(out)]
+    assert ids == [(step, task, sample) for step, task, sample, _ in episodes(runs["two"])]
+
+
+def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray: None) -> None:
+    family = Tripwire(tmp_path)
+    family.lock = threading.Lock()  # type: ignore[attr-defined]  # no pickle for a lock
+    with pytest.raises(ConfigError, match="cannot be sent to the rollout workers"):
+        train(config(1), env=family, out=tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("rollout.backend=vllm", "the rollout workers run the torch engine only"),
+        ("model.lora.rank=4", "do not sample LoRA adapters yet"),
+    ],
+)
+def test_what_workers_cannot_do_yet_is_refused(tmp_path: Path, setting: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        train(config(2, setting), out=tmp_path / "run", progress=False)
+
+
+def test_shards_are_contiguous_and_cover_every_task() -> None:
+    assert contiguous_shards(5, 2) == [(0, 3), (3, 5)]
+    assert contiguous_shards(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    for n in range(12):
+        for k in range(1, 5):
+            bounds = contiguous_shards(n, k)
+            assert [i for lo, hi in bounds for i in range(lo, hi)] == list(range(n))
+            sizes = [hi - lo for lo, hi in bounds]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def head_address(log: Path, head: subprocess.Popen[bytes], timeout_s: float = 120) -> str:
+    """The address `ray start --head` prints for other nodes once it runs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(r"ray start --address='([^']+)'", log.read_text())
+        if found:
+            return found.group(1)
+        if head.poll() is not None:
+            raise AssertionError(f"ray start --head exited: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"ray start --head printed no address in {timeout_s:.0f} s")
+
+
+def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path) -> None:
+    """`ray start --head` in its own process, then `turnrl train --set
+    cluster.rollout_workers=2 --set cluster.address=...`: the run's workers are that
+    cluster's actors (the head's log lists the job), and the run completes."""
+    log = tmp_path / "head.log"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_AUTH_MODE", None)  # a ray.init in this process (the fixture) sets it
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # its sockets' paths must be short
+    with log.open("w") as sink:
+        head = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+             f"--port={free_port()}", "--num-cpus=2", "--include-dashboard=false",
+             f"--temp-dir={temp}"],
+            stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        address = head_address(log, head)
+        command = [
+            str(Path(sys.executable).with_name("turnrl")), "train",
+            *(f"--set={s}" for s in RUN), "--out", str(tmp_path / "run"), "--no-progress",
+            "--set=cluster.rollout_workers=2", f"--set=cluster.address={address}",
+        ]  # fmt: skip
+        # `ray start` checks a token; the client must be told to send it (Ray 2.60)
+        refused = subprocess.run(
+            [*command, "--out", str(tmp_path / "refused")], capture_output=True, text=True,
+            timeout=600, env=env,
+        )  # fmt: skip
+        assert refused.returncode != 0
+        assert "run with RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-3000:]
+        env["RAY_AUTH_MODE"] = "token"
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"Connecting to existing Ray cluster at address: {address}" in done.stderr
+        got = rows(tmp_path / "run")
+        assert [r["step"] for r in got] == [0, 1, 2, 3]
+        assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
+        assert "Started a local Ray instance" not in done.stderr
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGKILL)  # SIGTERM drains for 30 s
+            head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
