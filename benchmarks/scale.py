@@ -25,8 +25,8 @@ the steps after the second, and the ratio async / sync (the issue's target: at m
 
 Section ``workers``: rollout throughput with the episodes in process (1 and 2 torch
 threads) and on 1 and 2 Ray rollout workers (``cluster.rollout_workers``, one thread
-each), the same run synchronously: the async section's model and batch, with an
-instant tool (``--workers-latency``, 0 s: the rollout is the engine's compute, which more
+each), the same run synchronously: a 4x larger model than the async section's and 16 x 8
+episodes of up to 2 turns of 48 tokens (``WORKERS_RUN``), with an instant tool (``--workers-latency``, 0 s: the rollout is the engine's compute, which more
 workers can split). Reported: median rollout seconds per step, episodes per second of
 rollout, and the weight sync to the workers (``perf/rollout_sync_s``). On this 2-core
 machine two workers have a core each while the driver waits for them.
@@ -200,6 +200,15 @@ WORKER_LAYOUTS = [  # (label, overrides)
 ]
 
 
+WORKERS_RUN = [
+    "rollout.prompts_per_step=16", "rollout.max_tokens_per_turn=48",
+    "model.hidden_size=128", "model.num_layers=4", "model.num_heads=4",
+]  # fmt: skip
+"""The workers section's changes to ``ASYNC_RUN``: a rollout with more compute (a 4x larger
+model, 128 episodes of longer turns), which workers can split; with the async section's
+0.3 s rollouts, the workers' per-call costs would be most of what is measured."""
+
+
 def workers_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same synchronous run in each ``WORKER_LAYOUTS``: rollout throughput."""
     from turnrl.api import train
@@ -209,7 +218,8 @@ def workers_section(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="scale-workers-") as tmp:
         for i, (label, layout) in enumerate(WORKER_LAYOUTS):
             settings = [
-                *ASYNC_RUN, f"env.latency_s={args.workers_latency}", "algorithm.epochs=1",
+                *ASYNC_RUN, *WORKERS_RUN, f"env.latency_s={args.workers_latency}",
+                "algorithm.epochs=1",
                 f"steps={args.async_steps}", *layout,
             ]  # fmt: skip
             if args.smoke:

@@ -1,12 +1,13 @@
-"""Beyond one process: the learner across ranks.
+"""Beyond one process: the learner across ranks, the episodes on Ray rollout workers.
 
 ``LearnerGroup`` runs the in-process ``Learner``'s update on N ranks under FSDP2 (gloo on
 the CPU, NCCL on GPUs), with a deadline on every call; learner_group.py is the driver's
 side, rank.py a rank's. It wraps the trainer's learner and re-implements none of its math.
-driver.py runs a training run with the learner on a group (``cluster.learner_ranks``):
-the in-process loop with a group-backed learner, its weights synced into the engine's
-model after every update. Not here yet: Ray rollout workers, weight broadcast to remote
-engines, the asynchronous driver.
+rollout_workers.py runs the episodes on Ray actors, each an engine with its environments
+(``RayRolloutWorkers``), replacing a worker that dies. driver.py runs a training run with
+either or both (``cluster.learner_ranks``, ``cluster.rollout_workers``): the in-process
+loop with a group-backed learner and worker-backed rollouts, the weights synced after
+every update. Not here yet: vLLM on the workers, a weight broadcast over NCCL.
 """
 
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
