@@ -220,6 +220,7 @@ def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray
     [
         ("rollout.backend=vllm", "the rollout workers run the torch engine only"),
         ("model.lora.rank=4", "do not sample LoRA adapters yet"),
+        ("model.device=cuda", "sample on CPUs only so far"),
     ],
 )
 def test_what_workers_cannot_do_yet_is_refused(tmp_path: Path, setting: str, message: str) -> None:

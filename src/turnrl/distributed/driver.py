@@ -110,6 +110,15 @@ def check_supported(config: Config) -> None:
             f"{workers}: the rollout workers run the torch engine only so far; set "
             "rollout.backend = 'torch' or cluster.rollout_workers = 0"
         )
+    device = config.model.device
+    if workers >= 1 and (
+        device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    ):
+        raise ConfigError(
+            f"model.device = {device!r} (a GPU) with cluster.rollout_workers = {workers}: the "
+            "rollout workers sample on CPUs only so far; set model.device = 'cpu' or "
+            "cluster.rollout_workers = 0"
+        )
     if workers >= 1 and config.model.lora.rank > 0:
         raise ConfigError(
             f"model.lora.rank = {config.model.lora.rank} with cluster.rollout_workers = "

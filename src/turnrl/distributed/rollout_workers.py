@@ -113,6 +113,13 @@ class RayRolloutWorkers:
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        device = next(spec.model.parameters()).device
+        if device.type != "cpu":
+            raise ConfigError(
+                f"cluster.rollout_workers = {num_workers} with the policy on {device}: the "
+                "rollout workers sample on CPUs only so far (no GPUs are asked of Ray); set "
+                "model.device = 'cpu' or cluster.rollout_workers = 0"
+            )
         self.ray = _import_ray()
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
