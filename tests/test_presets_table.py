@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import presets
 
 
-def row(preset: str, variant: str = "", final: float = 0.5) -> dict[str, Any]:
-    return {"preset": preset, "variant": variant, "final_success": final}
+def row(preset: str, variant: str = "", final: float = 0.5, seed: int = 0) -> dict[str, Any]:
+    return {"preset": preset, "variant": variant, "final_success": final, "seed": seed}
 
 
 def test_an_ablation_is_labelled_with_its_overrides() -> None:
@@ -32,3 +32,17 @@ def test_merge_replaces_what_was_re_run_and_keeps_the_rest_in_preset_order() -> 
         "gigpo",
     ]
     assert [r["final_success"] for r in rows] == [0.9, 0.8, 0.09, 1.0]
+
+
+def test_merge_keys_rows_by_seed_too() -> None:
+    old = [row("grpo", final=0.9, seed=0), row("grpo", final=0.4, seed=1)]
+    new = [row("grpo", final=0.7, seed=1), row("grpo", final=0.6, seed=2)]
+    rows = presets.merged(old, new)
+    assert [(r["seed"], r["final_success"]) for r in rows] == [(0, 0.9), (1, 0.7), (2, 0.6)]
+
+
+def test_a_results_file_of_one_seed_is_read_as_rows_of_that_seed() -> None:
+    old = {"seed": 1, "budget_minutes": 15, "runs": [{"preset": "grpo", "final_success": 0.9}]}
+    new = presets.upgraded(old)
+    assert "seed" not in new
+    assert new["runs"] == [{"preset": "grpo", "final_success": 0.9, "seed": 1}]
