@@ -40,9 +40,8 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import Config
 from turnrl.trainer.loop import WorkersSpec, autocast_dtype, episode_settings
-from turnrl.types import Task, Trajectory
-
-Groups = list[list[Trajectory]]
+from turnrl.trainer.step import Groups
+from turnrl.types import Task
 
 START_TIMEOUT_S = 300.0
 """How long a worker may take to start: its process, the imports, the model loaded."""
@@ -94,7 +93,7 @@ class RolloutWorker:
         self.backend.policy_version = version
 
     def pid(self) -> int:
-        """This worker's process id (the tests kill it)."""
+        """This worker's process id (the driver's readiness check calls it)."""
         return os.getpid()
 
 
@@ -241,10 +240,6 @@ class RayRolloutWorkers:
         if self._owns_cluster:
             self.ray.shutdown()
             self._owns_cluster = False
-
-    def pids(self) -> list[int]:
-        """The workers' process ids."""
-        return list(self._wait([a.pid.remote() for a in self.actors], "pid", 60.0))
 
     def _new_actor(self) -> tuple[Any, Any]:
         """A worker built from the start model, with the current weights if a sync has
