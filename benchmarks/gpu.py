@@ -7,15 +7,19 @@ learner, the start-up check, the final checkpoint):
   key-value heads, MLP 4864, vocabulary 151,936; 494M parameters), with the quick-start's
   tokenizer (its ids are a subset of the larger vocabulary), on secret-lookup episodes
   (``--prompts`` x ``--group`` episodes a step, up to 2 turns of ``--turn-tokens``
-  tokens). Four learner set-ups, ``--steps`` steps each: full fine-tuning in float32, in
-  bf16-mixed (float32 master weights, gradients and AdamW state; bf16 autocast), the
-  same with gradient checkpointing, and LoRA (rank 16, every linear layer) in bf16-mixed.
+  tokens). Five learner set-ups (``--setups`` picks some), ``--steps`` steps each: full
+  fine-tuning in float32; in bf16-mixed (float32 master weights, gradients and AdamW
+  state; bf16 autocast) with the torch sampler sharing the learner's model (autocast
+  too), and with its default bf16 copy (``rollout.sampler_weights``); the latter with
+  gradient checkpointing; and LoRA (rank 16, every linear layer) in bf16-mixed, merged
+  into the bf16 sampler.
   Reported per set-up: median step, rollout and learner seconds over the steps after the
   first, sampled tokens/s, the start-up check's largest log-prob gap, peak GPU memory
   (``torch.cuda.max_memory_allocated``, reset before each set-up), and the whole run's
   wall time (model load, start-up check and the final checkpoint included).
 - ``probe``: the quick-start recipe (the tiny model built locally, echo tuning, warm-up,
-  GiGPO on the secret-lookup probe) on the device in bf16-mixed, capped at
+  GiGPO on the secret-lookup probe) on the device in bf16-mixed (``--probe-set`` adds or
+  replaces settings, e.g. ``model.precision=float32 seed=1``), capped at
   ``--probe-minutes`` of RL: the held-out success curve, step time and peak memory.
 
 A random model never finishes a turn early, so ``real``'s episodes run to the token
@@ -60,6 +64,10 @@ SMOKE_SHAPE = {
 }  # fmt: skip
 SETUPS: dict[str, list[str]] = {
     "full, float32": [],
+    "full, bf16-mixed, shared sampler": [
+        "model.precision=bf16-mixed",
+        "rollout.sampler_weights=shared",
+    ],
     "full, bf16-mixed": ["model.precision=bf16-mixed"],
     "full, bf16-mixed, grad ckpt": [
         "model.precision=bf16-mixed",
@@ -117,6 +125,8 @@ def run_real(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     params = sum(t.numel() for t in _safetensors(model_dir))
     out = []
     for name, extra in SETUPS.items():
+        if args.setups and name not in args.setups:
+            continue
         sets = [
             f"model.path={model_dir}", f"model.device={device}", f"steps={args.steps}",
             "max_minutes=0", "warmup.steps=0", f"save_every={args.steps}",
@@ -166,9 +176,12 @@ def run_probe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     else:
         sets += ["steps=2", "model.echo_steps=10", "warmup.steps=4", "eval.num_tasks=8",
                  "rollout.prompts_per_step=2", "rollout.group_size=2"]  # fmt: skip
+    sets += args.probe_set
     reset_peak()
     began = time.perf_counter()
-    result = train(load_config("quickstart", sets), args.runs_dir / "gpu" / "probe", progress=False)
+    name = "-".join(["probe", *args.probe_set]).replace("=", "_")
+    run_dir = args.runs_dir / "gpu" / name
+    result = train(load_config("quickstart", sets), run_dir, progress=False)
     rows = step_rows(result.rows)
     curve = [[r["step"], r["eval/success_mean"]] for r in result.rows if "eval/success_mean" in r]
     probe = {
@@ -176,6 +189,7 @@ def run_probe(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "step_s": later_median(rows, "perf/step_s"), "peak_mib": peak_mib(),
         "startup_gap": float(result.rows[0].get("startup/logprob_gap_max", float("nan"))),
         "curve": curve, "final": curve[-1][1] if curve else float("nan"),
+        "settings": sets,
     }  # fmt: skip
     print(json.dumps(probe), flush=True)
     return probe
@@ -189,6 +203,13 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--turn-tokens", type=int, default=64)
     parser.add_argument("--probe-minutes", type=float, default=3.0)
+    parser.add_argument(
+        "--setups", nargs="+", default=[], help="the real section's set-ups to run (all)"
+    )
+    parser.add_argument(
+        "--probe-set", nargs="+", default=[], metavar="KEY=VALUE",
+        help="settings added to the probe's (after bf16-mixed)",
+    )  # fmt: skip
     smoke = {"steps": 2, "prompts": 2, "group": 2, "turn_tokens": 8, "probe_minutes": 0.0}
     args = parse_args(parser, "gpu", smoke, runs=True)
     if not args.smoke and not torch.cuda.is_available():

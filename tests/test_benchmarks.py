@@ -224,7 +224,8 @@ def vs_trl(data: dict[str, Any], tmp: Path) -> None:
 
 def gpu(data: dict[str, Any], tmp: Path) -> None:
     assert [r["setup"] for r in data["real"]] == [
-        "full, float32", "full, bf16-mixed", "full, bf16-mixed, grad ckpt", "LoRA r16, bf16-mixed",
+        "full, float32", "full, bf16-mixed, shared sampler", "full, bf16-mixed",
+        "full, bf16-mixed, grad ckpt", "LoRA r16, bf16-mixed",
     ]  # fmt: skip
     for r in data["real"]:
         assert "error" not in r, r

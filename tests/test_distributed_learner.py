@@ -273,3 +273,25 @@ def test_shards_balance_tokens_and_cover_every_item() -> None:
         [2],
         [1, 2],
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_group_on_the_gpu_over_nccl_equals_the_in_process_learner(tiny_model_dir: Path) -> None:
+    """NCCL on as many ranks as there are GPUs (one rank a GPU): the gradient, metrics
+    and gathered weights are the CUDA in-process learner's."""
+    ranks = torch.cuda.device_count()
+    reference = Learner(load_model(tiny_model_dir).cuda(), CONFIG, temperature=TEMPERATURE)
+    b = batch()
+    expected = reference.step(b)
+    with LearnerGroup(
+        tiny_model_dir, CONFIG, num_ranks=ranks, temperature=TEMPERATURE, device="cuda",
+        timeout_s=120,
+    ) as group:  # fmt: skip
+        assert group.device == "cuda"
+        got = group.step(b)
+        weights = group.full_state_dict()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    ours = {k: v.cpu() for k, v in reference.model.state_dict().items()}
+    assert max_diff({k: v.cpu() for k, v in weights.items()}, ours) < 1e-5

@@ -240,3 +240,18 @@ def test_the_loop_alone_does_not_ignore_learner_ranks(tmp_path: Path) -> None:
 def _no_group_left_open() -> Iterator[None]:
     yield
     assert groups_alive() == []  # every run stops its ranks, however it ends
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_nccl_rank_on_the_gpu_gives_the_in_process_gpu_run(tmp_path: Path) -> None:
+    """The driver's GPU path: the learner on one rank over NCCL, the torch sampler on the
+    same GPU, against the in-process CUDA run of the same seed. CUDA kernels need not be
+    bitwise repeatable, so the bound is the two-rank one."""
+    on_gpu = "model.device=cuda"
+    group = train(config(2, 1, on_gpu), out=tmp_path / "one", progress=False)
+    alone = train(config(2, 0, on_gpu), out=tmp_path / "alone", progress=False)
+    assert group.rows[0]["startup/logprob_gap_max"] < 1e-3
+    assert_close(rows(tmp_path / "one"), rows(tmp_path / "alone"))
+    assert "perf/weight_sync_s" in group.rows[1]
+    assert alone.rows

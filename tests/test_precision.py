@@ -1,10 +1,13 @@
 """The learner's GPU-path settings, checked on the CPU: ``model.precision = bf16-mixed``
-keeps float32 master weights and autocasts the compute; gradient checkpointing gives the
-same gradients; the attention kernel is the one asked for; ``model.device`` is checked."""
+keeps float32 master weights and autocasts the compute; the torch sampler then holds a
+bf16 copy, refreshed after every update (a LoRA policy merged into it); gradient
+checkpointing gives the same gradients; the attention kernel is the one asked for;
+``model.device`` is checked."""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +19,11 @@ from test_learner import algo, rollout_batch
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.errors import ConfigError
 from turnrl.models import load_model
-from turnrl.trainer.config import load_config, resolved
+from turnrl.models.lora import add_lora, is_lora, merged_state_dict
+from turnrl.trainer.config import inert_settings, load_config, resolved
 from turnrl.trainer.forward import token_logprobs
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.loop import _checkpoint_activations, train
+from turnrl.trainer.loop import _checkpoint_activations, torch_sampler, train
 
 
 def test_bf16_mixed_keeps_float32_master_weights_and_autocasts_the_compute(
@@ -84,6 +88,96 @@ def test_bf16_sampler_and_learner_agree_to_bf16_rounding(model: Any, tokenizer: 
     )
 
 
+def _collect(backend: TorchBackend, tokenizer: Any, seed: int = 3) -> list[Any]:
+    """Two groups of two probe episodes sampled by ``backend``: its trainable samples."""
+    from test_learner import SPEC  # the probe environment
+    from turnrl.models.loading import stop_token_ids
+    from turnrl.rollout.chat import ChatRenderer
+    from turnrl.rollout.episode import EpisodeLimits, SamplingParams
+    from turnrl.rollout.groups import GroupSpec, collect_groups
+
+    spec = GroupSpec(
+        2, EpisodeLimits(max_tokens_per_turn=24),
+        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=seed,
+    )  # fmt: skip
+    groups = backend.run(
+        collect_groups([SPEC.task(i) for i in range(2)], SPEC.make_env, backend,
+                       ChatRenderer(tokenizer), spec)
+    )  # fmt: skip
+    return [s for g in groups for t in g for s in t.samples()]
+
+
+def _holds(backend: TorchBackend, weights: dict[str, torch.Tensor]) -> bool:
+    """The sampler's weights are exactly ``weights`` cast to its bf16."""
+    own = backend.model.state_dict()
+    return all(torch.equal(own[k], v.to(torch.bfloat16)) for k, v in weights.items())
+
+
+def test_the_bf16_sampler_holds_a_bf16_copy_refreshed_after_every_update(
+    model: Any, tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    config = resolved(load_config(None, ["model.precision=bf16-mixed"]))
+    assert config.rollout.sampler_weights == "bf16"  # auto under bf16-mixed
+    assert config.algorithm.off_policy.correction == "token_tis"  # other numerics
+    backend = torch_sampler(config, model, tokenizer, tiny_model_dir)
+    assert backend.model is not model
+    assert backend.autocast is None
+    assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the master weights
+    assert backend.policy_version == 0
+    assert _holds(backend, model.state_dict())
+    learner = Learner(model, algo(lr=1e-2), temperature=1.0, autocast=torch.bfloat16)
+    samples = _collect(backend, tokenizer)
+    gap = learner.sampler_gap(samples, backend.pad_id)
+    assert 1e-5 < gap < config.rollout.startup_tolerance  # bf16 rounding, not float32-close
+    learner.step(rollout_batch(model, tokenizer, tasks=2, group=2))
+    assert not _holds(backend, model.state_dict())  # the update moved the master weights
+    backend.sync(model)
+    assert backend.policy_version == 1
+    assert _holds(backend, model.state_dict())
+    after = learner.sampler_gap(_collect(backend, tokenizer, seed=4), backend.pad_id)
+    assert after < config.rollout.startup_tolerance
+
+
+def test_a_lora_policy_is_merged_into_the_bf16_sampler(
+    tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    policy = add_lora(load_model(tiny_model_dir), rank=4, alpha=8.0, target_modules=["all-linear"])
+    with torch.no_grad():  # trained-looking adapters: B is zero at initialisation
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
+    config = resolved(load_config(None, ["model.lora.rank=4", "rollout.sampler_weights=bf16"]))
+    assert config.rollout.startup_tolerance == 0.1  # float32 learner, bf16 sampler
+    backend = torch_sampler(config, policy, tokenizer, tiny_model_dir)
+    assert not is_lora(backend.model)  # plain weights: the adapters cost sampling nothing
+    merged = merged_state_dict(policy)
+    assert _holds(backend, merged)
+    assert not _holds(backend, load_model(tiny_model_dir).state_dict())  # not the base
+    learner = Learner(policy, algo(lr=1e-2), temperature=1.0)
+    assert learner.sampler_gap(_collect(backend, tokenizer), backend.pad_id) < 0.1
+    learner.step(rollout_batch(policy, tokenizer, tasks=2, group=2))
+    backend.sync(policy)
+    assert _holds(backend, merged_state_dict(policy))
+    assert not _holds(backend, merged)
+
+
+def test_sampler_weights_settings() -> None:
+    plain = resolved(load_config(None, []))
+    assert plain.rollout.sampler_weights == "shared"
+    assert plain.algorithm.off_policy.correction == "none"
+    assert plain.rollout.startup_tolerance == 1e-3
+    shared = resolved(
+        load_config(None, ["model.precision=bf16-mixed", "rollout.sampler_weights=shared"])
+    )
+    assert shared.algorithm.off_policy.correction == "none"  # the learner's own model
+    assert not inert_settings(load_config(None, ["rollout.sampler_weights=bf16"]))
+    vllm = load_config(None, ["rollout.backend=vllm", "rollout.sampler_weights=bf16"])
+    assert any("sampler_weights" in m for m in inert_settings(vllm))
+    with pytest.raises(ConfigError, match="sampler_weights"):
+        load_config(None, ["rollout.sampler_weights=fp16"])
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(model: Any, tokenizer: Any) -> None:
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)
     plain = copy.deepcopy(model)
@@ -126,7 +220,9 @@ def test_a_run_with_the_gpu_path_settings_on_the_cpu(tmp_path: Path) -> None:
                 "model.attention=eager", "model.device=cpu"]  # fmt: skip
     result = train(load_config(None, [*SMALL_RUN, *settings]), tmp_path / "run", progress=False)
     first = result.rows[0]
-    assert 0.0 <= first["startup/logprob_gap_max"] < 0.1
+    assert 0.0 < first["startup/logprob_gap_max"] < 0.1  # the bf16 sampler's rounding
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["rollout"]["sampler_weights"] == "bf16"
     assert len(result.rows) == 3
     with pytest.raises(ConfigError, match=r"model\.device"):
         load_config(None, ["model.device=gpu"])

@@ -90,7 +90,8 @@ def _learner_lines(torch: Any) -> list[str]:
     ]
     return [
         "precision     float32 (default; master weights float32); "
-        + (f"bf16-mixed available ({where}; master weights stay float32)" if bf16
+        + (f"bf16-mixed available ({where}; master weights stay float32; the torch "
+           "sampler holds a bf16 copy, rollout.sampler_weights)" if bf16
            else "bf16-mixed NOT supported by this GPU"),
         f"attention     {', '.join(attention)} (auto = transformers' default)"
         + ("" if flash else "; flash_attention_2 needs flash-attn and CUDA"),

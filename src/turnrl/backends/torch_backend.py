@@ -62,10 +62,14 @@ class TorchBackend:
         reuse_history: bool = True,
         max_cached_tokens: int = 1 << 20,
         autocast: torch.dtype | None = None,
+        weights_of: Callable[[Any], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
         self.autocast = autocast
         """Autocast the forward passes to this dtype (``model.precision = bf16-mixed``)."""
+        self.weights_of = weights_of
+        """The state dict ``sync`` loads from the learner's model (e.g. a LoRA policy's
+        merged weights); the model's own ``state_dict`` when None."""
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.policy_version = 0
@@ -282,10 +286,12 @@ class TorchBackend:
         model object the weights are already in place, else they are copied into its own
         (same architecture; never while it samples: the caller syncs between batches). The
         version moves on, and the kept histories' keys and values (computed by the old
-        weights) are dropped on the next prefill (``PrefixCache.sync``)."""
+        weights) are dropped on the next prefill (``PrefixCache.sync``). A copy in another
+        dtype (the bf16 sampler) takes the weights cast to its own."""
         if model is not self.model:
+            weights = self.weights_of(model) if self.weights_of else model.state_dict()
             with torch.no_grad():
-                self.model.load_state_dict(model.state_dict())
+                self.model.load_state_dict(weights)
         self.policy_version += 1
 
     def submit(

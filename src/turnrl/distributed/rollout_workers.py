@@ -39,7 +39,12 @@ from turnrl.errors import ConfigError, TurnrlError
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import Config
-from turnrl.trainer.loop import WorkersSpec, autocast_dtype, episode_settings
+from turnrl.trainer.loop import (
+    WorkersSpec,
+    autocast_dtype,
+    episode_settings,
+    sampler_copy_dtype,
+)
 from turnrl.trainer.step import Groups
 from turnrl.types import Task
 
@@ -76,7 +81,10 @@ class RolloutWorker:
         self.env = env
         self.sampling, self.limits = episode_settings(config, tokenizer)
         self.renderer = ChatRenderer(tokenizer)
-        self.backend = TorchBackend(model, tokenizer, autocast=autocast_dtype(config))
+        dtype = sampler_copy_dtype(config)  # a bf16 sampler holds bf16 weights here too
+        model = model if dtype is None else model.to(dtype)
+        autocast = None if dtype is not None else autocast_dtype(config)
+        self.backend = TorchBackend(model, tokenizer, autocast=autocast)
         self.backend.policy_version = version
 
     def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:

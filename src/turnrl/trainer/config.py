@@ -156,13 +156,22 @@ class RolloutConfig:
     model), or vLLM in this process (``pip install 'turnrl[vllm]'``; weights synced in
     place after every update). On a CPU, vLLM needs attention heads of at least 32 wide
     (``model.hidden_size / model.num_heads``)."""
+    sampler_weights: Literal["auto", "shared", "bf16"] = "auto"
+    """The torch sampler's weights. ``shared``: the learner's own model, no copy (under
+    bf16-mixed it autocasts like the learner, which recasts the float32 weights at every
+    decoding step). ``bf16``: a bfloat16 copy, refreshed after every update; it costs half
+    the weights' memory again and recasts nothing, and a LoRA policy is merged into it, so
+    the adapters cost sampling nothing. It differs from the learner by bf16 rounding, so
+    ``startup_tolerance`` is bf16's and ``algorithm.off_policy`` ``auto`` is ``token_tis``.
+    ``auto``: ``bf16`` under ``model.precision = bf16-mixed``, else ``shared``. vLLM
+    always holds its own copy (bfloat16 under bf16-mixed) and ignores this setting."""
     startup_tolerance: float = 0.0
     """Before step 1, the sampler's log-probs of a probe batch are compared with the
     learner's: a larger gap (in nats, per token) stops the run, since training would
     silently correct for engine drift. 0 picks it from ``model.precision``: 1e-3 for
-    float32 (engines agree to about 1e-6), 0.1 for bf16-mixed (bf16 rounding: 2e-3
-    measured between the torch sampler and the learner on the tiny model on a CPU; an
-    engine holding bf16 weights differs more)."""
+    float32 (engines agree to about 1e-6), 0.1 for bf16-mixed or a bf16 sampler (bf16
+    rounding: 2e-3 measured between the autocast torch sampler and the learner on the tiny
+    model on a CPU; an engine holding bf16 weights differs more)."""
     max_error_frac: float = 0.0
     """Share of a step's episodes that may fail with an exception (raised by the
     environment, a tool factory, the verifier or the backend) before the run stops with the
@@ -689,18 +698,24 @@ STARTUP_TOLERANCE = {"float32": 1e-3, "bf16-mixed": 0.1}
 
 
 def resolved(config: Config) -> Config:
-    """``config`` with its ``auto`` choices made: ``algorithm.off_policy.correction`` is
-    ``token_tis`` under vLLM (another engine's numerics) or asynchronous training (older
-    weights) and ``none`` otherwise;
-    ``rollout.startup_tolerance`` 0 becomes ``STARTUP_TOLERANCE[model.precision]``."""
-    if config.rollout.startup_tolerance == 0.0:
-        tolerance = STARTUP_TOLERANCE[config.model.precision]
-        rollout = dataclasses.replace(config.rollout, startup_tolerance=tolerance)
-        config = dataclasses.replace(config, rollout=rollout)
+    """``config`` with its ``auto`` choices made: ``rollout.sampler_weights`` is ``bf16``
+    under bf16-mixed and ``shared`` otherwise; ``rollout.startup_tolerance`` 0 becomes
+    ``STARTUP_TOLERANCE`` of the sampler's precision; ``algorithm.off_policy.correction``
+    is ``token_tis`` under vLLM or a bf16 torch sampler (other numerics) or asynchronous
+    training (older weights) and ``none`` otherwise."""
+    r = config.rollout
+    bf16_mixed = config.model.precision == "bf16-mixed"
+    if r.sampler_weights == "auto":
+        r = dataclasses.replace(r, sampler_weights="bf16" if bf16_mixed else "shared")
+    bf16_copy = r.backend == "torch" and r.sampler_weights == "bf16"
+    if r.startup_tolerance == 0.0:
+        precision = "bf16-mixed" if bf16_copy else config.model.precision
+        r = dataclasses.replace(r, startup_tolerance=STARTUP_TOLERANCE[precision])
+    config = dataclasses.replace(config, rollout=r)
     off = config.algorithm.off_policy
     if off.correction != "auto":
         return config
-    other = config.rollout.backend == "vllm" or config.algorithm.max_staleness > 0
+    other = r.backend == "vllm" or bf16_copy or config.algorithm.max_staleness > 0
     made = OffPolicyConfig("token_tis" if other else "none", off.cap)
     algorithm = dataclasses.replace(config.algorithm, off_policy=made)
     return dataclasses.replace(config, algorithm=algorithm)
@@ -931,6 +946,11 @@ def inert_settings(config: Config) -> list[str]:
             out.setdefault(
                 key, f"algorithm.{key} = {value!r} has no effect: it applies only with {when}"
             )
+    if config.rollout.backend == "vllm" and config.rollout.sampler_weights != "auto":
+        out["rollout.sampler_weights"] = (
+            f"rollout.sampler_weights = {config.rollout.sampler_weights!r} has no effect: "
+            "it applies only with rollout.backend = 'torch' (vLLM holds its own copy)"
+        )
     if config.cluster.address and config.cluster.rollout_workers == 0:
         out["cluster.address"] = (
             f"cluster.address = {config.cluster.address!r} has no effect: only rollout "

@@ -376,8 +376,34 @@ def _checkpoint_activations(model: Any) -> None:
 
 
 def autocast_dtype(config: Config) -> torch.dtype | None:
-    """The dtype the learner's and the torch sampler's compute is autocast to, if any."""
+    """The dtype the learner's compute is autocast to, if any."""
     return torch.bfloat16 if config.model.precision == "bf16-mixed" else None
+
+
+def sampler_copy_dtype(config: Config) -> torch.dtype | None:
+    """The dtype of the torch sampler's own copy of the weights (``rollout.sampler_weights
+    = bf16``), or None where it samples with the learner's model, autocast like it."""
+    return torch.bfloat16 if resolved(config).rollout.sampler_weights == "bf16" else None
+
+
+def torch_sampler(config: Config, model: Any, tokenizer: Any, model_path: Path) -> TorchBackend:
+    """The torch engine for ``model`` (the learner's): sharing that very model, or holding
+    a copy of it: a bf16 one (``rollout.sampler_weights``; a LoRA policy merged, loaded
+    from ``model_path``, the base the adapters sit on) or, in asynchronous training, one
+    that samples while the learner updates."""
+    dtype = sampler_copy_dtype(config)
+    if dtype is None:
+        if config.algorithm.max_staleness > 0:  # it samples while the learner updates
+            model = copy.deepcopy(model)
+        return TorchBackend(model, tokenizer, autocast=autocast_dtype(config))
+    device = next(model.parameters()).device
+    m = config.model
+    copied = load_model(model_path, dtype=dtype, device=device, attention=m.attention)
+    weights_of = merged_state_dict if is_lora(model) else None
+    backend = TorchBackend(copied, tokenizer, weights_of=weights_of)
+    backend.sync(model)  # the warmed-up (or resumed) weights, not the directory's
+    backend.policy_version = 0
+    return backend
 
 
 def _check_kind(checkpoint: Path, lora: bool) -> None:
@@ -409,10 +435,8 @@ def _with_lora(config: Config, model: Any, run_dir: Path, checkpoint: Path | Non
 
 def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Backend:
     """The sampling engine ``rollout.backend`` names, holding ``model``'s current weights."""
-    if config.rollout.backend == "torch":  # the learner's own model: nothing to sync
-        if config.algorithm.max_staleness > 0:  # it samples while the learner updates
-            model = copy.deepcopy(model)
-        return TorchBackend(model, tokenizer, autocast=autocast_dtype(config))
+    if config.rollout.backend == "torch":
+        return torch_sampler(config, model, tokenizer, model_path)
     from turnrl.backends.vllm_backend import VLLMBackend
 
     r = config.rollout
