@@ -2,11 +2,13 @@
 Ray actors on a local Ray cluster, the small-run settings. One worker gives the in-process
 metrics exactly; two agree with it up to float rounding; a worker killed mid-step is
 replaced and its shard run again, so the run's episodes and metrics are those of a run
-without the kill; a hung worker stops the run naming it; asynchronous training collects
+without the kill; a worker dead at a weight sync is replaced holding the new weights; a
+hung worker stops the run naming it; asynchronous training collects
 the same prompts on workers; `turnrl train` joins a cluster started with `ray start`."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -23,13 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import SMALL_RUN
 from turnrl.api import train
-from turnrl.distributed.rollout_workers import RolloutWorkerError, contiguous_shards
+from turnrl.distributed.rollout_workers import (
+    RayRolloutWorkers,
+    RolloutWorker,
+    RolloutWorkerError,
+    contiguous_shards,
+)
 from turnrl.envs import make_env_spec
 from turnrl.errors import ConfigError
-from turnrl.trainer.config import Config, load_config
+from turnrl.rollout.groups import GroupSpec
+from turnrl.trainer.config import Config, load_config, resolved
+from turnrl.trainer.loop import WorkersSpec, episode_settings
 
 ray = pytest.importorskip("ray")
 
@@ -193,6 +203,43 @@ def test_a_hung_worker_stops_the_run_naming_it(
             out=tmp_path / "run", progress=False, on_row=arm,
         )  # fmt: skip
     assert time.monotonic() - started < 50  # not the minute the environments sleep
+
+
+def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
+    local_ray: None, model: Any, tokenizer: Any
+) -> None:
+    """Worker 1's process is killed before a weight sync: the sync replaces it (counted),
+    and both workers then sample with the synced weights and version, exactly as a worker
+    in this process holding them does."""
+    c = resolved(config(2))
+    family = make_env_spec(c.env.name, **c.env.options)
+    workers = RayRolloutWorkers(WorkersSpec(c, family, model, tokenizer, 0), 2, threads=1)
+    try:
+        pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
+        os.kill(pids[1], signal.SIGKILL)
+        with torch.no_grad():  # an update: the weights the workers must now sample with
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        workers.sync(model, 7)
+        assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
+        assert ray.get(workers.actors[1].pid.remote(), timeout=60) not in pids
+        sampling, limits = episode_settings(c, tokenizer)
+        spec = GroupSpec(2, limits, sampling, seed=3, policy_version=7)
+        tasks = [family.task(i) for i in range(4)]
+        got = workers.collect(tasks, spec)
+    finally:
+        workers.close()
+    local = RolloutWorker(c, family, copy.deepcopy(model), tokenizer, 7, threads=1)
+    expected = local.collect(tasks, spec)
+
+    def turns(groups: Any) -> list[tuple[Any, ...]]:
+        return [
+            (t.task_id, turn.completion_ids, turn.policy_version)
+            for group in groups for t in group for turn in t.turns
+        ]  # fmt: skip
+
+    assert turns(got) == turns(expected)
+    assert {v for *_, v in turns(got)} == {7}
 
 
 def test_asynchronous_training_on_workers_collects_the_same_prompts(
