@@ -3,13 +3,15 @@ that the agent learns.
 
     python benchmarks/endpoint.py                 # overhead (both paths) + learning run
     python benchmarks/endpoint.py --sections overhead
+    python benchmarks/endpoint.py --sections overhead --agent-processes 0   # two paths only
     python benchmarks/endpoint.py --smoke         # the same code on tiny settings
 
 Overhead: the same training (the quick-start, no evaluation) twice in one process, once
 with the probe's own ``ToolEnv`` in process and once with ``examples/existing_agent.py``'s
 agent (the `openai` SDK over loopback HTTP, one agent per episode); the mean step and
 rollout times of steps 2.. are compared (target: the endpoint at most 1.3x the in-process
-step time). The two environments differ where the model errs: ``ToolEnv`` answers a
+step time); a third run has the same agent in ``--agent-processes`` worker processes of
+its own (``turnrl.AgentProcesses``), off the sampler's interpreter lock. The two environments differ where the model errs: ``ToolEnv`` answers a
 malformed call with an error and the episode goes on, the agent takes it as its answer.
 So the episodes are the same only for a model that does not err: ``--overhead-model``
 (e.g. the learning section's last checkpoint) starts both runs from it, without warm-up;
@@ -24,9 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import runpy
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,12 +48,13 @@ OVERHEAD = [  # the quick-start's model and batch; a short warm-up so episodes c
 LEARNING = ["max_minutes=0", "eval.every=10", "eval.num_tasks=64", "save_every=100000"]
 
 
-def environments() -> tuple[Any, Any]:
+def environments(agent_processes: int = 0) -> tuple[Any, Any]:
     """The probe in process, and the example's agent on the same tasks, with the probe's
     warm-up and the probe's tokenizer text: both paths then train the same tiny model from
-    the same start, so their curves compare directly."""
-    example = runpy.run_path(str(EXAMPLE))
-    from turnrl import AgentEnvironment
+    the same start, so their curves compare directly. ``agent_processes`` >= 1: the agent
+    runs in that many worker processes (``turnrl.AgentProcesses``)."""
+    example = vars(_example_module())
+    from turnrl import AgentEnvironment, AgentProcesses
 
     probe = example["PROBE"]
 
@@ -59,11 +62,34 @@ def environments() -> tuple[Any, Any]:
         def corpus(self) -> list[str]:
             return list(probe.corpus())
 
+    policy_agent = example["agent"]
+    if agent_processes:
+        policy_agent = AgentProcesses(policy_agent, processes=agent_processes)
     agent = ProbeAgent(
-        example["agent"], probe.task, example["reward"], name="existing_agent",
+        policy_agent, probe.task, example["reward"], name="existing_agent",
         demonstrate=probe.demonstration,
     )  # fmt: skip
+    if agent_processes:
+        agent.close = _closing(agent.close, policy_agent.close)  # type: ignore[method-assign]
     return probe, agent
+
+
+def _example_module() -> Any:
+    """examples/existing_agent.py imported as the module ``existing_agent`` (its folder on
+    sys.path), so that agent worker processes can import its agent by name."""
+    import importlib
+
+    if str(EXAMPLE.parent) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE.parent))
+    return importlib.import_module(EXAMPLE.stem)
+
+
+def _closing(*closers: Any) -> Any:
+    def close() -> None:
+        for c in closers:
+            c()
+
+    return close
 
 
 def run(env: Any, overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
@@ -71,13 +97,18 @@ def run(env: Any, overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
     return train("quickstart", env=env, out=run_dir, overrides=overrides, progress=False).rows
 
 
-def overhead(steps: int, extra: list[str], runs: Path, model: Path | None) -> dict[str, Any]:
+def overhead(
+    steps: int, extra: list[str], runs: Path, model: Path | None, agent_processes: int
+) -> dict[str, Any]:
     probe, agent = environments()
+    paths: list[tuple[str, Any]] = [("in_process", probe), ("endpoint", agent)]
+    if agent_processes:
+        paths.append(("endpoint_agent_processes", environments(agent_processes)[1]))
     named = str(model) if model else "the quick-start's model after a 100-step warm-up"
-    out: dict[str, Any] = {"steps": steps, "model": named}
+    out: dict[str, Any] = {"steps": steps, "model": named, "agent_processes": agent_processes}
     start = [f"model.path={model}", "warmup.steps=0"] if model else []
     try:
-        for name, env in (("in_process", probe), ("endpoint", agent)):
+        for name, env in paths:
             overrides = [*OVERHEAD, *start, *extra, f"steps={steps}"]
             rows = run(env, overrides, runs / f"endpoint-{name}")
             timed = [r for r in rows if "perf/step_s" in r and r["step"] >= 2]
@@ -91,9 +122,14 @@ def overhead(steps: int, extra: list[str], runs: Path, model: Path | None) -> di
                 "steps_timed": len(timed),
             }
     finally:
-        agent.close()
+        for _, env in paths[1:]:
+            env.close()
     out["ratio_step"] = out["endpoint"]["step_s"] / out["in_process"]["step_s"]
     out["ratio_rollout"] = out["endpoint"]["rollout_s"] / out["in_process"]["rollout_s"]
+    if agent_processes:
+        own = out["endpoint_agent_processes"]
+        out["ratio_step_agent_processes"] = own["step_s"] / out["in_process"]["step_s"]
+        out["ratio_rollout_agent_processes"] = own["rollout_s"] / out["in_process"]["rollout_s"]
     return out
 
 
@@ -140,7 +176,9 @@ def markdown(data: dict[str, Any]) -> list[str]:
             "errors |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in ("in_process", "endpoint"):
+        for name in ("in_process", "endpoint", "endpoint_agent_processes"):
+            if name not in o:
+                continue
             r = o[name]
             lines.append(
                 f"| {name} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['turns_mean']:.2f} | "
@@ -151,6 +189,12 @@ def markdown(data: dict[str, Any]) -> list[str]:
             f"Endpoint / in-process: step {o['ratio_step']:.2f}x, rollout "
             f"{o['ratio_rollout']:.2f}x (target: step at most 1.3x).",
         ]
+        if "ratio_step_agent_processes" in o:
+            lines.append(
+                f"With the agents in {o['agent_processes']} worker process(es) "
+                f"(`turnrl.AgentProcesses`): step {o['ratio_step_agent_processes']:.2f}x, "
+                f"rollout {o['ratio_rollout_agent_processes']:.2f}x."
+            )
     if "learning" in data:
         r = data["learning"]
         reached = r["reached_0.8"]
@@ -181,6 +225,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more overrides for both paths (e.g. a larger model.hidden_size)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=2)
+    parser.add_argument(
+        "--agent-processes", type=int, default=1,
+        help="overhead: also run the agents in this many worker processes (0: not)",
+    )  # fmt: skip
     smoke = {"overhead_steps": 2, "learning_steps": 1}
     args = parse_args(parser, "endpoint", smoke, runs=True)
     extra = [f"threads={args.threads}", f"seed={args.seed}", *args.set]
@@ -202,7 +250,8 @@ def main() -> None:
     stamp = {"date": data["date"], "threads": args.threads, "seed": args.seed, "set": args.set}
     if "overhead" in sections:
         started = args.overhead_model.resolve() if args.overhead_model else None
-        data["overhead"] = {**overhead(args.overhead_steps, extra, runs, started), **stamp}
+        measured = overhead(args.overhead_steps, extra, runs, started, args.agent_processes)
+        data["overhead"] = {**measured, **stamp}
     if "learning" in sections:
         data["learning"] = {**learning(args.learning_steps, extra, runs), **stamp}
     lines = markdown(data)

@@ -23,6 +23,7 @@ from typing import Any
 import openai
 import pytest
 
+from agent_workers import LOOKUP, react_agent
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import SecretLookup
 from turnrl.envs.agent import AgentEnv, AgentEnvironment, agent_kind
@@ -36,19 +37,6 @@ from turnrl.types import Completion, GenerationRequest, Task, ToolCall, Trajecto
 
 PROBE = SecretLookup()
 HERMES = get_format("hermes")
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look up a key.",
-        "parameters": {
-            "type": "object",
-            "properties": {"key": {"type": "string", "description": "The key."}},
-            "required": ["key"],
-            "additionalProperties": False,
-        },
-    },
-}  # the probe's own schema, so the two paths render the same prompt
 
 
 class ReadingBackend:
@@ -91,25 +79,6 @@ def oracle(prompt: str) -> str:
         return replies[-1]
     key = re.findall(r"What is the value of (\w+)\?", prompt)[-1]
     return HERMES.render_call(ToolCall("lookup", {"key": key}))
-
-
-async def react_agent(task: Task, client: openai.AsyncOpenAI) -> str:
-    """A ReAct-style agent with the SDK's tool calling: what a user already has."""
-    table = task.metadata["table"]
-    messages: list[Any] = [dict(m) for m in task.prompt]
-    for _ in range(4):
-        reply = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[LOOKUP]
-        )
-        message = reply.choices[0].message
-        if not message.tool_calls:
-            return message.content or ""
-        messages.append(message)  # the SDK's object, as agents usually do
-        for call in message.tool_calls:
-            key = json.loads(call.function.arguments).get("key")
-            result = table.get(key, f"Error: no key {key!r}")
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return ""
 
 
 def exact(task: Task, answer: str, transcript: list[dict[str, Any]]) -> float:

@@ -240,11 +240,13 @@ def gpu(data: dict[str, Any], tmp: Path) -> None:
 
 def endpoint(data: dict[str, Any], tmp: Path) -> None:
     o = data["overhead"]
-    for name in ("in_process", "endpoint"):
+    for name in ("in_process", "endpoint", "endpoint_agent_processes"):
         assert o[name]["steps_timed"] >= 1
         assert o[name]["step_s"] > 0
         assert o[name]["errors"] == 0  # every agent episode reached its reward
     assert o["ratio_step"] == pytest.approx(o["endpoint"]["step_s"] / o["in_process"]["step_s"])
+    own = o["endpoint_agent_processes"]["step_s"]
+    assert o["ratio_step_agent_processes"] == pytest.approx(own / o["in_process"]["step_s"])
     r = data["learning"]
     assert next(s for s, _, _ in r["curve"]) == 0
     assert r["errors"] == 0

@@ -14,7 +14,7 @@ from conftest import SMALL_RUN
 from turnrl.envs import SecretLookup
 
 PUBLIC = [
-    "AgentEnvironment", "Config", "ConfigError", "Environment", "EpisodeFailures", "EvalConfig", "Message",
+    "AgentEnvironment", "AgentProcesses", "Config", "ConfigError", "Environment", "EpisodeFailures", "EvalConfig", "Message",
     "RunResult", "StepResult", "Task", "Tool", "ToolCall", "ToolEnv", "ToolSet", "Trajectory",
     "TurnrlError", "Verdict", "check_env", "evaluate", "get_format", "load_config",
     "make_env_spec", "tool", "train",

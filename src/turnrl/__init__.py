@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from turnrl.envs import Environment, ToolEnv, check_env, make_env_spec
 from turnrl.envs.agent import AgentEnvironment
+from turnrl.envs.agent_processes import AgentProcesses
 from turnrl.errors import ConfigError, EpisodeFailures, TurnrlError
 from turnrl.formats import get_format
 from turnrl.rewards import Verdict
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgentEnvironment",
+    "AgentProcesses",
     "Config",
     "ConfigError",
     "Environment",

@@ -383,10 +383,7 @@ class AgentPool:
     def async_client(self, base_url: str) -> Any:
         share = self._share()
         if share.client is None:
-            share.client = _openai().AsyncOpenAI(
-                base_url=base_url, api_key=self.api_key(), max_retries=0,
-                http_client=aiohttp_client(),  # half the SDK's per-call cost (http_transport)
-            )  # fmt: skip
+            share.client = async_openai_client(base_url, self.api_key())
         return share.client.with_options(base_url=base_url)
 
     def sync_client(self, base_url: str) -> Any:
@@ -565,6 +562,14 @@ def _arguments(raw: Any) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {"_raw": raw}
     return dict(value) if isinstance(value, dict) else {"_raw": raw}
+
+
+def async_openai_client(base_url: str, api_key: str) -> Any:
+    """The ``openai.AsyncOpenAI`` agents get: no retries (a failed call is the episode's
+    story), sending through aiohttp (half the SDK's per-call cost, ``http_transport``)."""
+    return _openai().AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, http_client=aiohttp_client()
+    )
 
 
 def _openai() -> Any:
