@@ -174,6 +174,9 @@ def test_sampler_weights_settings() -> None:
     assert not inert_settings(load_config(None, ["rollout.sampler_weights=bf16"]))
     vllm = load_config(None, ["rollout.backend=vllm", "rollout.sampler_weights=bf16"])
     assert any("sampler_weights" in m for m in inert_settings(vllm))
+    plain_vllm = resolved(load_config(None, ["rollout.backend=vllm"]))
+    assert plain_vllm.rollout.sampler_weights == "auto"  # nothing to choose: no warning
+    assert not any("sampler_weights" in m for m in inert_settings(plain_vllm))
     with pytest.raises(ConfigError, match="sampler_weights"):
         load_config(None, ["rollout.sampler_weights=fp16"])
 

@@ -699,13 +699,13 @@ STARTUP_TOLERANCE = {"float32": 1e-3, "bf16-mixed": 0.1}
 
 def resolved(config: Config) -> Config:
     """``config`` with its ``auto`` choices made: ``rollout.sampler_weights`` is ``bf16``
-    under bf16-mixed and ``shared`` otherwise; ``rollout.startup_tolerance`` 0 becomes
+    under bf16-mixed and ``shared`` otherwise (with the torch backend; vLLM ignores it); ``rollout.startup_tolerance`` 0 becomes
     ``STARTUP_TOLERANCE`` of the sampler's precision; ``algorithm.off_policy.correction``
     is ``token_tis`` under vLLM or a bf16 torch sampler (other numerics) or asynchronous
     training (older weights) and ``none`` otherwise."""
     r = config.rollout
     bf16_mixed = config.model.precision == "bf16-mixed"
-    if r.sampler_weights == "auto":
+    if r.sampler_weights == "auto" and r.backend == "torch":  # vLLM ignores it: kept auto
         r = dataclasses.replace(r, sampler_weights="bf16" if bf16_mixed else "shared")
     bf16_copy = r.backend == "torch" and r.sampler_weights == "bf16"
     if r.startup_tolerance == 0.0:
