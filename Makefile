@@ -85,7 +85,7 @@ typecheck: setup
 
 test: lint typecheck setup-test setup-vllm
 	$(VENV)/bin/pytest -q --durations=15
-	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm_backend.py tests/test_benchmark_backends.py tests/test_eval_vllm_server.py)
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_benchmark_backends.py tests/test_eval_vllm_server.py)
 
 unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"

@@ -25,6 +25,7 @@ from turnrl.errors import TurnrlError
 from turnrl.models import load_model
 from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.learner import Learner
+from turnrl.trainer.loop import checkpoint_activations
 from turnrl.types import Sample
 
 # A sequence-mean reduction (the global sequence count matters, not only the token
@@ -141,6 +142,31 @@ def test_step_samples_equals_the_in_process_update(groups: Any, tiny_model_dir: 
     assert max_diff(weights, reference.model.state_dict()) < 1e-5
 
 
+def checkpointing(learner: ShardedLearner) -> bool:
+    return bool(learner.root.base_model.gradient_checkpointing)
+
+
+def test_ranks_that_checkpoint_activations_give_the_in_process_update(
+    tiny_model_dir: Path,
+) -> None:
+    """``checkpoint_activations``: every rank's model recomputes its layers in the
+    backward, and the update is the in-process learner's with checkpointing on."""
+    model = load_model(tiny_model_dir)
+    checkpoint_activations(model)
+    reference = Learner(model, CONFIG, temperature=TEMPERATURE)
+    s, adv = samples(7, seed=1), advantages(7)
+    expected = reference.step_samples(s, adv, pad_id=0)
+    with LearnerGroup(
+        tiny_model_dir, CONFIG, num_ranks=2, temperature=TEMPERATURE, timeout_s=60,
+        checkpoint_activations=True,
+    ) as group:  # fmt: skip
+        assert group.call(checkpointing) == [True, True]
+        got = group.step_samples(s, adv, pad_id=0)
+        weights = group.full_state_dict()
+    assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+    assert max_diff(weights, reference.model.state_dict()) < 1e-5
+
+
 def test_a_rank_without_data_steps_in_time(groups: Any, tiny_model_dir: Path) -> None:
     """One sequence, two ranks: rank 1 runs empty micro-batches (zero gradient) and the
     update is the one-process update."""
@@ -250,11 +276,6 @@ def test_an_error_on_a_rank_is_named_with_its_cause(tiny_model_dir: Path) -> Non
         group.call(raise_value_error)
     assert "ValueError: raised on purpose" in str(e.value)
     assert_gone(pids)
-
-
-def test_a_critic_is_refused_at_start(tiny_model_dir: Path) -> None:
-    with pytest.raises(LearnerRankError, match=r"rank 0 failed in start: .*ConfigError.*critic"):
-        LearnerGroup(tiny_model_dir, algo(advantage="gae"), num_ranks=1, temperature=1.0)
 
 
 def test_shards_balance_tokens_and_cover_every_item() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import SMALL_RUN
 from turnrl.api import train
@@ -75,6 +76,26 @@ def episodes(run_dir: Path) -> list[tuple[int, str, int, float]]:
     return [
         (t["step"], t["task_id"], t["sample_index"], t["reward"]) for t in map(json.loads, lines)
     ]
+
+
+def test_the_workers_of_a_cluster_it_starts_run_at_the_driver_s_priority(
+    model: Any, tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    """Ray starts its workers 15 niceness levels below the driver, where a learner update
+    beside them (asynchronous training) would leave them a sliver of a core; the local
+    cluster the workers start runs them at the driver's priority. (First in the module:
+    the module's shared cluster is not up yet.)"""
+    assert not ray.is_initialized()
+    c = resolved(config(1))
+    family = make_env_spec(c.env.name, **c.env.options)
+    workers = RayRolloutWorkers(WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 1)
+    try:
+        call = workers.actors[0].__ray_call__.remote(lambda actor: os.nice(0))
+        niceness = ray.get(call, timeout=60)
+    finally:
+        workers.close()
+    assert niceness == os.nice(0)
+    assert not ray.is_initialized()  # the cluster it started is stopped
 
 
 @pytest.fixture(scope="module")
@@ -192,28 +213,34 @@ def test_a_worker_killed_mid_step_loses_no_episode(
 def test_a_hung_worker_stops_the_run_naming_it(
     tmp_path: Path, local_ray: None, by_value: None
 ) -> None:
+    armed: list[float] = []
+
     def arm(row: Row) -> None:  # after the start-up checks, which reset environments here
         if row["step"] == 0:
             (tmp_path / "hang").write_text("")
+            armed.append(time.monotonic())
 
-    started = time.monotonic()
     with pytest.raises(RolloutWorkerError, match=r"rollout worker\(s\) 0, 1 did not return .* 3 s"):
         train(
             config(2, "cluster.worker_timeout_s=3"), env=Tripwire(tmp_path),
             out=tmp_path / "run", progress=False, on_row=arm,
         )  # fmt: skip
-    assert time.monotonic() - started < 50  # not the minute the environments sleep
+    # From the hang to the error: the 3 s deadline, not the minute the environments sleep
+    # (the run's start before it is not timed: it is slow on a loaded machine).
+    assert time.monotonic() - armed[0] < 30
 
 
 def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
-    local_ray: None, model: Any, tokenizer: Any
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
 ) -> None:
     """Worker 1's process is killed before a weight sync: the sync replaces it (counted),
     and both workers then sample with the synced weights and version, exactly as a worker
     in this process holding them does."""
     c = resolved(config(2))
     family = make_env_spec(c.env.name, **c.env.options)
-    workers = RayRolloutWorkers(WorkersSpec(c, family, model, tokenizer, 0), 2, threads=1)
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1
+    )
     try:
         pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
         os.kill(pids[1], signal.SIGKILL)
@@ -262,17 +289,33 @@ def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray
         train(config(1), env=family, out=tmp_path / "run", progress=False)
 
 
-@pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ("rollout.backend=vllm", "the rollout workers run the torch engine only"),
-        ("model.lora.rank=4", "do not sample LoRA adapters yet"),
-        ("model.device=cuda", "sample on CPUs only so far"),
-    ],
-)
-def test_what_workers_cannot_do_yet_is_refused(tmp_path: Path, setting: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        train(config(2, setting), out=tmp_path / "run", progress=False)
+def test_a_gpu_for_the_workers_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="sample on CPUs only so far"):
+        train(config(2, "model.device=cuda"), out=tmp_path / "run", progress=False)
+
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.lr=0.05"]
+ADAPTERS = "adapter_model.safetensors"
+
+
+def test_a_lora_policy_samples_on_a_worker_as_in_process(tmp_path: Path, local_ray: None) -> None:
+    """LoRA adapters reach the worker merged into a plain model (the worker has no peft
+    model): the same episodes as the in-process run, whose sampler runs the adapters
+    unmerged, and the same metrics up to that float rounding. Each step's samples are the
+    synced policy's (the learner's log-probs of them agree), and the adapters moved it."""
+    runs = {}
+    for name, workers in (("in_process", 0), ("one", 1)):
+        runs[name] = tmp_path / name
+        train(config(workers, *LORA), out=runs[name], progress=False)
+    assert episodes(runs["one"]) == episodes(runs["in_process"])
+    expected, got = rows(runs["in_process"]), rows(runs["one"])
+    for g, e in zip(got, expected, strict=True):
+        for key, value in deterministic(e).items():
+            assert g[key] == pytest.approx(value, abs=1e-5), (g["step"], key)
+    assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
+    assert all(r["train/logprob_mismatch_max"] < 1e-4 for r in got[1:])
+    adapters = load_file(runs["one"] / "checkpoints" / "step_000003" / "model" / ADAPTERS)
+    assert max(float(v.abs().max()) for k, v in adapters.items() if "lora_B" in k) > 1e-3
 
 
 def test_shards_are_contiguous_and_cover_every_task() -> None:

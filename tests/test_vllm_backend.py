@@ -291,6 +291,21 @@ def test_an_existing_agent_samples_from_vllm_through_the_endpoint(
     assert worst < 1e-5
 
 
+def test_an_engine_leaves_torch_s_threads_as_they_were(vllm_model_dir: Path) -> None:
+    """Starting an engine sets torch to 1 thread and disables torch.set_num_threads for
+    the whole process (vLLM 0.32's CPU worker); the backend puts both back, so a run's
+    `threads` holds whatever ran before it in the process."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        VLLMBackend(vllm_model_dir, load_tokenizer(vllm_model_dir), max_model_len=256)
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # A training run makes and shuts down its own engine, which tears down vLLM's process-wide
 # parallel state: the module's `engine` cannot sample after it, so the tests that use it
 # come first.

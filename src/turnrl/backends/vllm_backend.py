@@ -117,7 +117,18 @@ class VLLMBackend:
         self.asleep = False
         options.update(engine_options)
         self._vllm = vllm
-        self.llm = vllm.LLM(**options)
+        # Starting an engine changes torch for the whole process: vLLM sets its thread
+        # count to 1 "for serving", and its CPU worker replaces torch.set_num_threads with
+        # a function that only warns (a guard for thread binding, which an engine in this
+        # process does not do). The learner beside it would then train on one thread, and
+        # every later run in this process would ignore its `threads`, silently: a run's
+        # numbers would depend on what ran before it. Both are put back.
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**options)
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
         self.tokenizer = tokenizer
         self.policy_version = 0
         pad = tokenizer.pad_token_id

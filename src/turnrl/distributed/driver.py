@@ -17,9 +17,14 @@ samples come from that version's weights only. Checkpoints are the in-process on
 driver's model, the optimizer's state in torch.optim's layout): a run resumes with any
 ``cluster.learner_ranks``, 0 included.
 
-Not here yet: vLLM engines on the rollout workers, a weight broadcast other than through
-Ray's object store, and on the learner group a critic (``advantage = "gae"``), LoRA,
-activation checkpointing.
+PPO's critic (``advantage = "gae"``) trains on the ranks too: its state is read and
+written in the in-process layout (``GroupCritic``), so checkpoints stay interchangeable.
+
+LoRA: every rank puts the same adapters on the start policy and loads the driver's fresh
+adapter weights; FSDP2 shards the frozen base with them, and only the adapters train.
+
+Not here yet: GPUs for the rollout workers, a weight broadcast other than through Ray's
+object store, and a critic beside LoRA adapters on the learner group.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from turnrl.distributed.rollout_workers import RayRolloutWorkers
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
+from turnrl.models.lora import add_lora
 from turnrl.trainer.checkpoint import CheckpointWriteError, latest_checkpoint
 from turnrl.trainer.config import Config
 from turnrl.trainer.loop import LearnerSpec, RunResult, WorkersSpec
@@ -100,16 +106,15 @@ def train(
             fleet.close()
 
 
+def _with_adapters(load: Callable[[], Any], **lora: Any) -> Any:
+    """``load()``'s model with LoRA adapters (``add_lora``), for the ranks to build."""
+    return add_lora(load(), **lora)
+
+
 def check_supported(config: Config) -> None:
     """Refuse, before anything starts, what a ``LearnerGroup`` or the rollout workers
     cannot do yet."""
     workers = config.cluster.rollout_workers
-    if workers >= 1 and config.rollout.backend != "torch":
-        raise ConfigError(
-            f"rollout.backend = {config.rollout.backend!r} with cluster.rollout_workers = "
-            f"{workers}: the rollout workers run the torch engine only so far; set "
-            "rollout.backend = 'torch' or cluster.rollout_workers = 0"
-        )
     device = config.model.device
     if workers >= 1 and (
         device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -119,31 +124,16 @@ def check_supported(config: Config) -> None:
             "rollout workers sample on CPUs only so far; set model.device = 'cpu' or "
             "cluster.rollout_workers = 0"
         )
-    if workers >= 1 and config.model.lora.rank > 0:
-        raise ConfigError(
-            f"model.lora.rank = {config.model.lora.rank} with cluster.rollout_workers = "
-            f"{workers}: the rollout workers do not sample LoRA adapters yet; set "
-            "model.lora.rank = 0 or cluster.rollout_workers = 0"
-        )
     ranks = config.cluster.learner_ranks
     if ranks == 0:
         return
     where = f"cluster.learner_ranks = {ranks}"
     instead = "set cluster.learner_ranks = 0 (in process) or"
-    if config.model.lora.rank > 0:
+    if config.model.lora.rank > 0 and config.algorithm.advantage == "gae":
         raise ConfigError(
-            f"model.lora.rank = {config.model.lora.rank} with {where}: the learner group does "
-            f"not train LoRA adapters yet; {instead} model.lora.rank = 0"
-        )
-    if config.algorithm.advantage == "gae":
-        raise ConfigError(
-            f"algorithm.advantage = 'gae' with {where}: the learner group has no critic yet; "
-            f"{instead} another algorithm.advantage"
-        )
-    if config.model.gradient_checkpointing:
-        raise ConfigError(
-            f"model.gradient_checkpointing = true with {where}: the learner group's ranks do "
-            f"not checkpoint activations yet; {instead} model.gradient_checkpointing = false"
+            f"model.lora.rank = {config.model.lora.rank} and algorithm.advantage = 'gae' "
+            f"with {where}: the learner group does not train a critic beside LoRA adapters "
+            f"yet; {instead} model.lora.rank = 0"
         )
 
 
@@ -177,7 +167,8 @@ class GroupLearner:
         self.model = model
         self.optimizer = GroupOptimizer(group, model)
         """The group's optimizer state as checkpoints read and write it."""
-        self.critic = None  # no critic on a group yet (check_supported)
+        self.critic = GroupCritic(group) if group.config.advantage == "gae" else None
+        """PPO's critic on the ranks (``ShardedCritic``), as checkpoints read and write it."""
 
     @classmethod
     def start(cls, spec: LearnerSpec) -> GroupLearner:
@@ -186,18 +177,27 @@ class GroupLearner:
         state follow through ``optimizer.load_state_dict``, as in process."""
         c = spec.config
         device = "cuda" if next(spec.model.parameters()).device.type == "cuda" else "cpu"
-        source = functools.partial(
+        source: Callable[[], Any] = functools.partial(
             load_model, spec.start_model, dtype=torch.float32, attention=c.model.attention
         )
+        lo = c.model.lora
+        if lo.rank > 0:  # the same adapters on the start policy; their weights come next
+            source = functools.partial(
+                _with_adapters, source, rank=lo.rank, alpha=lo.alpha,
+                target_modules=tuple(lo.target_modules), dropout=lo.dropout,
+            )  # fmt: skip
         try:
             group = LearnerGroup(
                 source, c.algorithm, num_ranks=c.cluster.learner_ranks,
                 temperature=c.rollout.temperature, max_length=c.rollout.max_episode_tokens,
                 device=device, autocast=spec.autocast, timeout_s=CALL_TIMEOUT_S,
                 seed=c.seed, num_threads=c.threads,
+                checkpoint_activations=c.model.gradient_checkpointing,
             )  # fmt: skip
         except ValueError as exc:  # e.g. fewer GPUs than ranks
             raise ConfigError(f"cluster.learner_ranks = {c.cluster.learner_ranks}: {exc}") from exc
+        if lo.rank > 0 and not spec.resumed:  # the driver's fresh adapters, not the ranks' own
+            group.load_weights(spec.model.state_dict())
         return cls(group, spec.model)
 
     def step_samples(
@@ -208,7 +208,21 @@ class GroupLearner:
     ) -> dict[str, float]:
         """The group's update (``Learner.step_samples`` across the ranks), then the weight
         sync: the new weights gathered and copied into ``model`` (``perf/weight_sync_s``)."""
-        metrics = self.group.step_samples(samples, advantages, pad_id)
+        return self._synced(self.group.step_samples(samples, advantages, pad_id))
+
+    def step_samples_gae(
+        self,
+        samples: Sequence[Sample],
+        token_rewards: Sequence[float | Sequence[float]],
+        pad_id: int,
+    ) -> dict[str, float]:
+        """PPO's update on the group (``Learner.step_samples_gae`` across the ranks: the
+        critic's values, GAE, the policy's step, the critic's), then the weight sync."""
+        return self._synced(self.group.step_samples_gae(samples, token_rewards, pad_id))
+
+    def _synced(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` of an update, after the new weights are gathered and copied into
+        ``model`` (``perf/weight_sync_s``)."""
         t0 = time.perf_counter()
         weights = self.group.full_state_dict()
         with torch.no_grad():
@@ -221,6 +235,20 @@ class GroupLearner:
 
     def reference_kl(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
         return self.group.reference_kl(samples, pad_id)
+
+
+class GroupCritic:
+    """The group's critic state in the in-process ``Critic.state_dict`` layout, so a PPO
+    checkpoint resumes with any number of ranks, 0 included."""
+
+    def __init__(self, group: LearnerGroup) -> None:
+        self.group = group
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.group.critic_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.group.load_critic_state_dict(state)
 
 
 class GroupOptimizer:

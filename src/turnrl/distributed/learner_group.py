@@ -12,8 +12,9 @@ naming the rank and the call (``rank 1 died (exit code -9) during step 7``); the
 stops all its ranks (none is left behind) and refuses further calls: a step half-applied on
 some ranks cannot be continued, only restarted from a checkpoint (``state_dict``).
 
-What is not here yet: Ray actors, several nodes, weight broadcast to rollout workers (the
-driver gets the full weights, ``full_state_dict``), a critic, LoRA.
+A LoRA model (``model`` returning one) trains only its adapters; the frozen base is
+sharded with them. What is not here yet: Ray actors, several nodes, weight broadcast to
+rollout workers (the driver gets the full weights, ``full_state_dict``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class LearnerGroup:
     there is a GPU per rank), ``cpu`` (gloo) or ``cuda`` (NCCL). ``timeout_s``: the
     deadline of each call; ``start_timeout_s``: of the start (imports, model loading).
     ``num_threads``: torch threads per rank (0: on the CPU, the cores shared among the
-    ranks; on GPUs, torch's default). Use as a context manager, or call ``close``.
+    ranks; on GPUs, torch's default). ``checkpoint_activations``: each rank's model
+    recomputes its layers' activations in the backward (``model.gradient_checkpointing``).
+    Use as a context manager, or call ``close``.
     """
 
     def __init__(
@@ -84,10 +87,12 @@ class LearnerGroup:
         start_timeout_s: float = 300.0,
         seed: int = 0,
         num_threads: int = 0,
+        checkpoint_activations: bool = False,
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.num_ranks = num_ranks
+        self.config = config
         self.device = _chosen_device(device, num_ranks)
         self.timeout_s = timeout_s
         """The deadline of each call, in seconds (may be changed between calls)."""
@@ -101,6 +106,7 @@ class LearnerGroup:
             ),
             # Longer than a call's deadline: the driver names a hung rank first.
             collective_timeout_s=timeout_s + 60.0,
+            checkpoint_activations=checkpoint_activations,
         )  # fmt: skip
         # The rendezvous: a store on a free port (the OS picks it), held here.
         self._store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -152,6 +158,33 @@ class LearnerGroup:
         metrics: dict[str, float] = self._call("step_samples", args)[0]
         return metrics
 
+    def step_samples_gae(
+        self,
+        samples: Sequence[Sample],
+        token_rewards: Sequence[float | Sequence[float]],
+        pad_id: int,
+    ) -> dict[str, float]:
+        """PPO's update (``Learner.step_samples_gae``) from samples and their per-token
+        rewards, shared among the ranks by token count: each rank's critic scores its
+        samples, GAE runs per sample, the whitening and normalisers are the whole batch's."""
+        if len(samples) != len(token_rewards):
+            raise ValueError("one reward sequence per sample is required")
+        if not samples:
+            raise ValueError("cannot step on no samples")
+        shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
+        args = [([samples[i] for i in s], [token_rewards[i] for i in s], pad_id) for s in shards]
+        metrics: dict[str, float] = self._call("step_samples_gae", args)[0]
+        return metrics
+
+    def critic_state_dict(self) -> dict[str, Any]:
+        """PPO's critic, whole, in the in-process ``Critic.state_dict`` layout."""
+        state: dict[str, Any] = self._call("critic_state_dict", [()] * self.num_ranks)[0]
+        return state
+
+    def load_critic_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``critic_state_dict`` returned (or an in-process critic's state)."""
+        self._call("load_critic_state_dict", [(state,)] * self.num_ranks)
+
     def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:
         """``Learner.sampler_gap`` over all samples (each rank scores its share)."""
         shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
@@ -173,6 +206,11 @@ class LearnerGroup:
         inference engine loads to sample with the new policy."""
         weights: dict[str, torch.Tensor] = self._call("full_state_dict", [()] * self.num_ranks)[0]
         return weights
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load whole model weights (``full_state_dict``'s layout) into every rank's shard;
+        the optimizer's state is left as it is."""
+        self._call("load_weights", [(weights,)] * self.num_ranks)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, whole (not sharded): ``{"model": weights,

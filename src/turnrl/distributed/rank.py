@@ -23,6 +23,7 @@ whatever the data. The cost: a rank holds the whole model's parameters while it 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 import time
@@ -35,13 +36,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from turnrl.backends.hf_cache import cache_kwargs, returned_cache
-from turnrl.errors import ConfigError
 from turnrl.models import load_model
+from turnrl.models.lora import is_lora
 from turnrl.rollout.batch import Batch
 from turnrl.trainer.config import AlgorithmConfig
+from turnrl.trainer.critic import Critic
 from turnrl.trainer.learner import Learner, Norms
+from turnrl.trainer.loop import checkpoint_activations
 from turnrl.types import Sample
 
 ModelSource = str | Path | Callable[[], Any]
@@ -69,6 +73,7 @@ class RankSpec:
     seed: int
     num_threads: int  # torch's threads on this rank; 0: torch's default
     collective_timeout_s: float
+    checkpoint_activations: bool = False  # model.gradient_checkpointing
 
 
 class RootCall:
@@ -128,14 +133,78 @@ class ShardedLearner(Learner):
     """The ``Learner`` on one rank's shard of a batch: the loss is normalised by the whole
     batch's token and sequence counts (summed over ranks), FSDP2 sums the gradients over
     ranks (no averaging), so the update equals the one-process update; the metrics are
-    combined over ranks to the values one process would report."""
+    combined over ranks to the values one process would report.
 
-    def __init__(self, root: Any, config: AlgorithmConfig, **kwargs: Any) -> None:
-        if config.advantage == "gae":
-            raise ConfigError("a LearnerGroup has no critic yet: algorithm.advantage = 'gae'")
-        super().__init__(RootCall(root), config, **kwargs)
+    PPO's critic (``advantage = "gae"``) is a ``ShardedCritic``: its value head replicated
+    on every rank (its gradients summed over ranks), its trunk the policy itself
+    (``placement = "head"``) or ``critic_trunk``, a second FSDP2 model (``"model"``). GAE
+    runs on each rank's own samples (it is per sample); the whitening of the advantages,
+    the critic's loss normaliser and its metrics take the whole batch's statistics."""
+
+    def __init__(
+        self, root: Any, config: AlgorithmConfig, critic_trunk: Any = None, **kwargs: Any
+    ) -> None:
         self.root = root
+        self.critic_root = critic_trunk if critic_trunk is not None else root
+        """The FSDP2 model the critic's values are computed through."""
         self._norms: Norms | None = None
+        super().__init__(RootCall(root), config, **kwargs)
+
+    def make_critic(self, model: Any, config: AlgorithmConfig) -> ShardedCritic:
+        trunk = RootCall(self.critic_root) if self.critic_root is not self.root else None
+        return ShardedCritic(model, config, trunk=trunk)
+
+    def critic_values(self, chunks: Sequence[Batch]) -> list[torch.Tensor]:
+        """Values with the critic's parameters gathered once: ranks with more micro-batches
+        than others run no collectives of their own."""
+        values = super().critic_values
+        return list(gathered(self.critic_root, lambda: values(chunks)))
+
+    def whiten(
+        self, values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``masked_whiten`` with the whole batch's mean and (N-1) std, summed over ranks."""
+        return whitened_across_ranks(values, masks, self.device)
+
+    def value_mean(self, values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+        parts = [
+            sum(float(v[m].sum()) for v, m in zip(values, masks, strict=True)),
+            sum(float(m.sum()) for m in masks),
+        ]
+        total, count = all_summed(parts, self.device)
+        return total / (count or 1.0)
+
+    def critic_step(
+        self,
+        chunks: Sequence[Batch],
+        returns: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> dict[str, float]:
+        """``Critic.step`` on this rank's micro-batches with the whole batch's token count;
+        the metrics summed over ranks (each rank's are its part of the whole). A separate
+        value model runs FSDP2's collectives in every forward and backward, so every rank
+        runs as many micro-batches (empty ones added); a head on the policy reads hidden
+        states computed without gradients, with the policy gathered once."""
+        assert self.critic is not None
+        critic = self.critic
+        micro, rets, olds = list(chunks), list(returns), list(values)
+        (num_tokens,) = all_summed([sum(float(mb.loss_mask.sum()) for mb in micro)], self.device)
+        count = torch.tensor([len(micro)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        pad = empty_batch(self.device)
+        for _ in range(int(count) - len(micro)):
+            micro.append(pad)
+            rets.append(torch.zeros(pad.input_ids.shape, device=self.device))
+            olds.append(torch.zeros(pad.input_ids.shape, device=self.device))
+        total = torch.tensor(max(num_tokens, 1.0), device=self.device)
+
+        def step() -> dict[str, float]:
+            with self.autocasting():
+                return critic.step(micro, rets, olds, num_tokens=total)
+
+        local = step() if self.critic_root is not self.root else gathered(self.root, step)
+        keys = sorted(local)
+        return dict(zip(keys, all_summed([local[k] for k in keys], self.device), strict=True))
 
     def step(self, batch: Batch | Sequence[Batch]) -> dict[str, float]:
         """``Learner.step`` on this rank's shard (``batch``: rows to cut into micro-batches,
@@ -169,6 +238,66 @@ class ShardedLearner(Learner):
     def _reduce(self, per_token: torch.Tensor, mask: torch.Tensor, norms: Norms) -> torch.Tensor:
         """The learner's reduction with the whole batch's normalisers, not this rank's."""
         return super()._reduce(per_token, mask, self._norms if self._norms is not None else norms)
+
+
+class ShardedCritic(Critic):
+    """The ``Critic`` on a rank: its head's gradients are summed over ranks before the
+    joint clip (they are each rank's part of the whole batch's); a sharded trunk's
+    gradients already are (FSDP2's reduce-scatter), so their norm is gathered from the
+    shards for the joint norm the one-process critic clips by."""
+
+    def clip_gradients(self) -> None:
+        head = [p.grad for p in self.head.parameters() if p.grad is not None]
+        for grad in head:
+            dist.all_reduce(grad)
+        if self.shared:
+            super().clip_gradients()
+            return
+        trunk = [p.grad for p in self.trunk.parameters() if p.grad is not None]
+        squares = [float(torch.nn.utils.get_total_norm(head)) ** 2 if head else 0.0]
+        if trunk:
+            norm = torch.nn.utils.get_total_norm(trunk)
+            full = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares.append(float(full) ** 2)
+        # torch.nn.utils.clip_grad_norm_'s rule, over both
+        coefficient = min(1.0, self.config.max_grad_norm / (sum(squares) ** 0.5 + 1e-6))
+        with torch.no_grad():
+            for grad in [*head, *trunk]:
+                grad.mul_(coefficient)
+
+
+def whitened_across_ranks(
+    values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """``algorithms.masked_whiten`` over the valid entries of every rank's ``values``: the
+    whole batch's mean, its (N-1) std, exactly 0 where every valid value is equal."""
+    flat = torch.cat([v[m] for v, m in zip(values, masks, strict=True)]) if values else None
+    local = flat if flat is not None else torch.zeros(0, device=device)
+    count, total = all_summed([float(local.numel()), float(local.double().sum())], device)
+    extremes = torch.tensor(
+        [float(local.max()) if local.numel() else -math.inf,
+         -float(local.min()) if local.numel() else -math.inf],
+        dtype=torch.float64, device=device,
+    )  # fmt: skip
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    mean = total / max(count, 1.0)
+    (squares,) = all_summed([float((local.double() - mean).square().sum())], device)
+    std = (squares / max(count - 1.0, 1.0)) ** 0.5
+    flat_batch = not float(extremes[0]) > -float(extremes[1])
+    out = []
+    for v, m in zip(values, masks, strict=True):
+        piece = torch.zeros_like(v)
+        if not flat_batch:
+            piece[m] = ((v[m].double() - mean) / (std + 1e-8)).to(v.dtype)
+        out.append(piece)
+    return out
+
+
+def all_summed(values: Sequence[float], device: torch.device) -> list[float]:
+    """``values`` summed over every rank (float64)."""
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return [float(v) for v in tensor.tolist()]
 
 
 def empty_batch(device: torch.device) -> Batch:
@@ -209,23 +338,39 @@ def build_learner(spec: RankSpec, rank: int, world: int) -> ShardedLearner:
     """This rank's model under FSDP2 (one unit, gradients summed over ranks) and its
     learner; with a KL in the loss, a frozen unsharded reference loaded the same way."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    c = spec.config
     model = load(spec.model).to(device)
-    reference = load(spec.model).to(device) if spec.config.kl.coef > 0 else None
+    # With LoRA the reference is the base: the policy with its adapters off, as in process.
+    reference = load(spec.model).to(device) if c.kl.coef > 0 and not is_lora(model) else None
     mesh = init_device_mesh(device.type, (world,))
+    trunk = None  # PPO's separate value model: the start policy, sharded the same way
+    if c.advantage == "gae" and c.critic.placement == "model":
+        trunk = load(spec.model).to(device)
+    for trained in (model, trunk):
+        if trained is not None:
+            if spec.checkpoint_activations:  # as in process: recomputed in the backward
+                checkpoint_activations(trained)
+            sharded(trained, mesh)
+    return ShardedLearner(
+        model, c, critic_trunk=trunk, temperature=spec.temperature, reference=reference,
+        max_length=spec.max_length, autocast=spec.autocast,
+    )  # fmt: skip
+
+
+def sharded(model: Any, mesh: Any) -> Any:
+    """``model`` under FSDP2 as one unit on ``mesh``, its gradients summed over ranks."""
+    from torch.distributed.fsdp import fully_shard
+
     fully_shard(model, mesh=mesh)
     # Each rank's loss already carries the whole batch's normaliser: sum, do not average.
     # (Sum-only reductions: gloo has no pre-multiplied sum.)
     model.set_gradient_divide_factor(1.0)
     model.set_force_sum_reduction_for_comms(True)
-    return ShardedLearner(
-        model, spec.config, temperature=spec.temperature, reference=reference,
-        max_length=spec.max_length, autocast=spec.autocast,
-    )  # fmt: skip
+    return model
 
 
 def load(source: ModelSource) -> Any:
@@ -234,14 +379,14 @@ def load(source: ModelSource) -> Any:
     return load_model(source)
 
 
-def gathered(learner: ShardedLearner, fn: Callable[[], Any]) -> Any:
-    """``fn()`` with the model's parameters gathered once on every rank first (one
-    collective for all ranks, whatever each then runs) and sharded again after."""
-    learner.root.unshard()
+def gathered(root: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the FSDP2 model ``root``'s parameters gathered once on every rank
+    first (one collective for all ranks, whatever each then runs) and sharded again after."""
+    root.unshard()
     try:
         return fn()
     finally:
-        learner.root.reshard()
+        root.reshard()
 
 
 def full_state_dict(learner: ShardedLearner) -> dict[str, torch.Tensor]:
@@ -299,8 +444,79 @@ def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
         learner.optimizer.state.clear()
 
 
+def load_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor]) -> None:
+    """Whole weights into this rank's shard of the model (copied: they come through shared
+    memory)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(learner.root, copied(weights), options=options)
+
+
+def critic_state_dict(learner: ShardedLearner) -> dict[str, Any]:
+    """The critic's state whole, in the one-process ``Critic.state_dict`` layout (the head,
+    its optimizer's state by parameter index and, for a separate value model, the trunk),
+    on every rank: a resume with any number of ranks, 0 included, loads it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    critic = learner.critic
+    assert isinstance(critic, ShardedCritic)
+    state = critic.state_dict() if critic.shared else {
+        "head": critic.head.state_dict(), "optimizer": critic.optimizer.state_dict()
+    }  # fmt: skip
+    if not critic.shared:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state["trunk"] = get_model_state_dict(learner.critic_root, options=options)
+    state["optimizer"] = _full_tensors(state["optimizer"])
+    whole: dict[str, Any] = copied(state)
+    return whole
+
+
+def load_critic_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
+    """Load ``critic_state_dict``'s layout (every rank is given all of it): each rank keeps
+    its shard of a separate value model's weights and of their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    critic = learner.critic
+    assert isinstance(critic, ShardedCritic)
+    state = copied(state)
+    critic.head.load_state_dict(state["head"])
+    if not critic.shared:
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(learner.critic_root, state["trunk"], options=options)
+    params = [p for group in critic.optimizer.param_groups for p in group["params"]]
+    optimizer = state["optimizer"]
+    optimizer["state"] = {
+        index: {k: _like(v, params[int(index)]) for k, v in values.items()}
+        for index, values in optimizer["state"].items()
+    }
+    critic.optimizer.load_state_dict(optimizer)
+
+
+def _full_tensors(value: Any) -> Any:
+    """``value`` with every DTensor gathered whole (a collective: every rank calls it on the
+    same structure), on the CPU."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    if isinstance(value, dict):
+        return {k: _full_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_full_tensors(v) for v in value)
+    return value
+
+
+def _like(value: Any, param: Any) -> Any:
+    """An optimizer state tensor sharded as ``param`` is (a whole one for a DTensor
+    parameter; scalars such as the step count as they are)."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
+
+
 def sampler_gap(learner: ShardedLearner, samples: Sequence[Sample], pad_id: int) -> float:
-    return float(gathered(learner, lambda: learner.sampler_gap(samples, pad_id)))
+    return float(gathered(learner.root, lambda: learner.sampler_gap(samples, pad_id)))
 
 
 def reference_kl(
@@ -315,6 +531,12 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "step_samples": lambda learner, samples, advantages, pad_id: learner.step_samples(
         samples, advantages, pad_id
     ),
+    "step_samples_gae": lambda learner, samples, rewards, pad_id: learner.step_samples_gae(
+        samples, rewards, pad_id
+    ),
+    "load_weights": lambda learner, weights: load_weights(learner, weights),
+    "critic_state_dict": lambda learner: critic_state_dict(learner),
+    "load_critic_state_dict": lambda learner, state: load_critic_state_dict(learner, state),
     "sampler_gap": sampler_gap,
     "reference_kl": reference_kl,
     "full_state_dict": full_state_dict,
@@ -382,4 +604,12 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="turnrl-parent-watch").start()
 
 
-__all__ = ["COMMANDS", "ModelSource", "RankSpec", "RootCall", "ShardedLearner", "serve"]
+__all__ = [
+    "COMMANDS",
+    "ModelSource",
+    "RankSpec",
+    "RootCall",
+    "ShardedCritic",
+    "ShardedLearner",
+    "serve",
+]

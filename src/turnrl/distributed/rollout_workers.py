@@ -1,8 +1,12 @@
 """Rollout workers: engines with their environments, as Ray actors (``cluster.rollout_workers``).
 
-``RolloutWorker`` is one engine (the torch backend) and the run's environment family in one
-process. It runs the same ``collect_groups`` as the trainer's own engine, so it works in
-this process as well as inside a Ray actor (the tests compare the two).
+``RolloutWorker`` is one engine (``rollout.backend``: torch or vLLM) and the run's
+environment family in one process. It runs the same ``collect_groups`` as the trainer's own
+engine, so it works in this process as well as inside a Ray actor (the tests compare the
+two). A torch worker receives its own copy of the policy model; a vLLM worker builds its
+engine from the run's model directory (on a cluster, a filesystem every node mounts) and
+loads the policy's weights into it. A LoRA policy reaches the workers merged: they sample
+a plain model and never see peft.
 
 ``RayRolloutWorkers`` is the driver's side (``step.RolloutWorkers``): N actors on a local
 Ray cluster, or on the one at ``cluster.address``. A batch of tasks is cut into contiguous
@@ -11,9 +15,11 @@ only on (run seed, task, sample index), so a task's episodes do not depend on wh
 ran them. The engines' floating-point work can still differ slightly with the batch they
 share, so only one worker reproduces the in-process run bit for bit.
 
-Weight sync: the learner's whole state dict goes once into Ray's object store (shared
-memory on a node), and every worker loads it with the driver's policy version, between
-batches and never while sampling. ``perf/rollout_sync_s`` is the time it takes.
+Weight sync: the learner's whole state dict (LoRA merged) goes once into Ray's object
+store (shared memory on a node), and every worker loads it with the driver's policy
+version, between batches and never while sampling; a vLLM worker takes it in place through
+the engine's ``reload_weights``, as the in-process vLLM engine does. ``perf/rollout_sync_s``
+is the time it takes.
 
 Faults: every call has a deadline, and a worker that misses it stops the run with an error
 that names it. A worker that dies (its process killed, its node lost) is replaced by a new
@@ -27,23 +33,31 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from turnrl.backends.torch_backend import TorchBackend
+from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
+from turnrl.models import load_model
+from turnrl.models.lora import is_lora
+from turnrl.protocols import Backend
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import Config
 from turnrl.trainer.loop import (
     WorkersSpec,
     autocast_dtype,
+    engine_weights,
     episode_settings,
     sampler_copy_dtype,
+    vllm_sampler,
 )
 from turnrl.trainer.step import Groups
 from turnrl.types import Task
@@ -65,26 +79,35 @@ class RolloutWorkerError(TurnrlError):
 class RolloutWorker:
     """An engine and an environment family in one process: runs groups of episodes.
 
-    ``model`` is this worker's own copy of the policy (a Ray actor receives one);
-    ``version`` its policy version, recorded on every turn it samples."""
+    The engine is ``config.rollout.backend``'s. ``policy`` is what it starts with: for the
+    torch engine this worker's own copy of the (plain) policy model, which a Ray actor
+    receives pickled; for vLLM the policy's weights (``engine_weights``), loaded into an
+    engine built from ``model_path``, which must be on this worker's node. ``version`` is
+    the policy version, recorded on every turn it samples."""
 
     def __init__(
         self,
         config: Config,
         env: EnvSpec,
-        model: Any,
+        policy: Any,
         tokenizer: Any,
         version: int,
         threads: int,
+        model_path: str = "",
     ) -> None:
         torch.set_num_threads(threads)
         self.env = env
         self.sampling, self.limits = episode_settings(config, tokenizer)
         self.renderer = ChatRenderer(tokenizer)
-        dtype = sampler_copy_dtype(config)  # a bf16 sampler holds bf16 weights here too
-        model = model if dtype is None else model.to(dtype)
-        autocast = None if dtype is not None else autocast_dtype(config)
-        self.backend = TorchBackend(model, tokenizer, autocast=autocast)
+        self.backend: Backend
+        if config.rollout.backend == "vllm":
+            self.backend = vllm_sampler(config, tokenizer, _local_model_dir(model_path), dict)
+            self.backend.load_weights(policy)
+        else:
+            dtype = sampler_copy_dtype(config)  # a bf16 sampler holds bf16 weights here too
+            model = policy if dtype is None else policy.to(dtype)
+            autocast = None if dtype is not None else autocast_dtype(config)
+            self.backend = TorchBackend(model, tokenizer, autocast=autocast)
         self.backend.policy_version = version
 
     def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
@@ -93,11 +116,15 @@ class RolloutWorker:
         return self.backend.run(program)
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Take the learner's weights as policy version ``version`` (the engine's cached
-        keys and values of the old weights are dropped)."""
-        with torch.no_grad():
-            self.backend.model.load_state_dict(weights)
-        self.backend.sync(self.backend.model)
+        """Take the learner's weights (``engine_weights``) as policy version ``version``
+        (the engine's cached keys and values of the old weights are dropped)."""
+        if isinstance(self.backend, VLLMBackend):
+            self.backend.load_weights(weights)
+        else:
+            assert isinstance(self.backend, TorchBackend)
+            with torch.no_grad():
+                self.backend.model.load_state_dict(weights)
+            self.backend.sync(self.backend.model)
         self.backend.policy_version = version
 
     def pid(self) -> int:
@@ -139,6 +166,10 @@ class RayRolloutWorkers:
             options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
             if not address:  # a cluster of this machine, with room for every worker
                 options["num_cpus"] = max(cores, num_workers)
+                # Ray starts its workers at niceness 15 below the driver: beside a learner
+                # update (asynchronous training) or any other work they would get a
+                # fraction of a core. The workers are this run's own work: same priority.
+                options["_system_config"] = {"worker_niceness": 0}
             try:
                 self.ray.init(address=address or None, **options)
             except ConnectionError as exc:
@@ -159,7 +190,7 @@ class RayRolloutWorkers:
             env_ref,
             self.ray.put(spec.tokenizer),
         )
-        self._start_model = self.ray.put(spec.model)
+        self._start_policy = self.ray.put(start_policy(spec))
         """What every worker is built from (a replacement then loads ``_weights``)."""
         self._weights: Any = None
         """The newest synced state dict in the object store (None before the first sync)."""
@@ -218,8 +249,7 @@ class RayRolloutWorkers:
     def sync(self, model: Any, version: int) -> dict[str, float]:
         """Every worker takes ``model``'s weights as policy version ``version``."""
         t0 = time.perf_counter()
-        weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-        self._weights, self._version = self.ray.put(weights), version
+        self._weights, self._version = self.ray.put(cpu_weights(model)), version
         calls = [a.load_weights.remote(self._weights, version) for a in self.actors]
         _, late = self.ray.wait(calls, num_returns=len(calls), timeout=self.call_timeout_s)
         if late:
@@ -255,8 +285,9 @@ class RayRolloutWorkers:
         before it is ready."""
         config, env, tokenizer = self._shared
         actor = self._actor_class.remote(
-            config, env, self._start_model, tokenizer, self._spec.version, self.threads
-        )
+            config, env, self._start_policy, tokenizer, self._spec.version, self.threads,
+            str(self._spec.model_path),
+        )  # fmt: skip
         if self._weights is not None:
             return actor, actor.load_weights.remote(self._weights, self._version)
         return actor, actor.pid.remote()
@@ -282,6 +313,36 @@ class RayRolloutWorkers:
             return list(self.ray.get(refs))
         except self.ray.exceptions.RayError as exc:
             raise RolloutWorkerError(f"rollout workers: {what} failed: {exc}") from exc
+
+
+def cpu_weights(model: Any) -> dict[str, torch.Tensor]:
+    """``engine_weights(model)`` in CPU memory: what is sent to the workers."""
+    return {k: v.detach().to("cpu") for k, v in engine_weights(model).items()}
+
+
+def start_policy(spec: WorkersSpec) -> Any:
+    """What a worker starts from: the policy's weights for a vLLM engine; for the torch
+    engine a plain model: the policy itself, or for LoRA its base (``spec.model_path``)
+    with the adapters merged in, so the workers sample without peft."""
+    if spec.config.rollout.backend == "vllm":
+        return cpu_weights(spec.model)
+    if not is_lora(spec.model):
+        return spec.model
+    plain = load_model(spec.model_path, dtype=torch.float32)
+    plain.load_state_dict(cpu_weights(spec.model))
+    return plain
+
+
+def _local_model_dir(model_path: str) -> Path:
+    """``model_path`` where it exists on this node; an error saying what to do if not."""
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"a vLLM rollout worker on {socket.gethostname()} builds its engine from the "
+            f"run's model directory {model_path}, which is not there: put the run directory "
+            "(--out) on a filesystem every node of the Ray cluster mounts at the same path"
+        )
+    return path
 
 
 def contiguous_shards(n: int, num_shards: int) -> list[tuple[int, int]]:

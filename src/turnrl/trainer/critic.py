@@ -30,10 +30,15 @@ from turnrl.trainer.forward import hidden_states
 class Critic:
     """Owns the value head (and, with ``critic = "model"``, a value trunk) and its optimizer."""
 
-    def __init__(self, policy: Any, config: AlgorithmConfig) -> None:
+    def __init__(self, policy: Any, config: AlgorithmConfig, trunk: Any = None) -> None:
+        """``trunk``: the value model's trunk with ``placement = "model"`` (default: a copy of
+        ``policy``; a learner rank gives its own sharded one)."""
         self.config = config
         self.shared = config.critic.placement == "head"
-        self.trunk = policy if self.shared else copy.deepcopy(policy)
+        if self.shared:
+            self.trunk = policy
+        else:
+            self.trunk = trunk if trunk is not None else copy.deepcopy(policy)
         hidden = int(policy.config.hidden_size)
         param = next(policy.parameters())
         self.head = torch.nn.Linear(hidden, 1, device=param.device, dtype=param.dtype)
@@ -77,11 +82,15 @@ class Critic:
         micro: Sequence[Batch],
         returns: Sequence[torch.Tensor],
         old_values: Sequence[torch.Tensor],
+        num_tokens: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """``critic.epochs`` optimizer steps on the clipped value loss (token mean over the
-        whole batch, exact under micro-batching)."""
+        whole batch, exact under micro-batching; ``num_tokens``: the whole batch's sampled
+        tokens where ``micro`` is one rank's part of it)."""
         cfg = self.config
-        num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1).float()
+        if num_tokens is None:
+            num_tokens = torch.stack([mb.loss_mask.sum() for mb in micro]).sum().clamp(min=1)
+        num_tokens = num_tokens.float()
         clip = cfg.critic.value_clip if cfg.critic.value_clip > 0 else None
         self.trunk.train()
         totals = {"loss": 0.0, "clipped": 0.0, "error": 0.0}
@@ -101,11 +110,15 @@ class Critic:
                         )
                         err = (values - ret).abs()
                         totals["error"] += float(masked_mean(err, mb.loss_mask) * share)
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            self.clip_gradients()
             self.optimizer.step()
-        return {
+        return {  # each this micro-batch set's part of the whole batch's value
             "critic/value_loss": totals["loss"],
             "critic/value_clip_frac": totals["clipped"],
             "critic/abs_error": totals["error"],
         }
+
+    def clip_gradients(self) -> None:
+        """Clip the critic's gradients to ``max_grad_norm`` (their joint norm)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)

@@ -95,7 +95,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, weight_decay=config.weight_decay
         )
-        self.critic = Critic(model, config) if config.advantage == "gae" else None
+        self.critic = self.make_critic(model, config) if config.advantage == "gae" else None
         self.token_budget = config.micro_batch.tokens or auto_token_budget(model)
         # Each choice resolved once, here (DESIGN.md invariant 5).
         self.reduction = REDUCTIONS[config.loss_reduction]
@@ -243,27 +243,55 @@ class Learner:
             per_token([samples[i] for i in part], [token_rewards[i] for i in part]).to(self.device)
             for part in parts
         ]
-        with self.autocasting():
-            values = [self.critic.values(mb) for mb in chunks]
+        values = self.critic_values(chunks)
         gae = [
             self.gae(r, v, mb.loss_mask) for r, v, mb in zip(rewards, values, chunks, strict=True)
         ]
         advantages = [g.advantages for g in gae]
         if cfg.gae.whiten:
-            advantages = _whiten_across(advantages, [mb.loss_mask for mb in chunks])
+            advantages = self.whiten(advantages, [mb.loss_mask for mb in chunks])
         policy_batches = [
             dataclasses.replace(mb, advantages=adv.float())
             for mb, adv in zip(chunks, advantages, strict=True)
         ]
         metrics = self.step(policy_batches)
-        num_tokens = sum(float(mb.loss_mask.sum()) for mb in chunks) or 1.0
-        metrics["critic/value_mean"] = (
-            sum(float(v[mb.loss_mask].sum()) for v, mb in zip(values, chunks, strict=True))
-            / num_tokens
-        )
-        with self.autocasting():
-            metrics.update(self.critic.step(chunks, [g.returns for g in gae], values))
+        metrics["critic/value_mean"] = self.value_mean(values, [mb.loss_mask for mb in chunks])
+        metrics.update(self.critic_step(chunks, [g.returns for g in gae], values))
         return metrics
+
+    # The critic's parts of ``step_samples_gae``; a learner rank (turnrl.distributed) takes
+    # each over its part of the batch, with the whole batch's statistics.
+
+    def make_critic(self, model: Any, config: AlgorithmConfig) -> Critic:
+        return Critic(model, config)
+
+    def critic_values(self, chunks: Sequence[Batch]) -> list[torch.Tensor]:
+        """The critic's value of every sampled token's state, per micro-batch."""
+        assert self.critic is not None
+        with self.autocasting():
+            return [self.critic.values(mb) for mb in chunks]
+
+    def whiten(
+        self, values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``masked_whiten`` over the whole batch (``_whiten_across``)."""
+        return _whiten_across(values, masks)
+
+    def value_mean(self, values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+        """The mean value over the batch's sampled tokens (``critic/value_mean``)."""
+        num_tokens = sum(float(m.sum()) for m in masks) or 1.0
+        return sum(float(v[m].sum()) for v, m in zip(values, masks, strict=True)) / num_tokens
+
+    def critic_step(
+        self,
+        chunks: Sequence[Batch],
+        returns: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> dict[str, float]:
+        """The critic's update on the returns (``Critic.step``)."""
+        assert self.critic is not None
+        with self.autocasting():
+            return self.critic.step(chunks, returns, values)
 
     def micro_batches(self, batch: Batch | Sequence[Batch]) -> list[Batch]:
         """``batch`` cut into micro-batches of ``micro_batch.size`` rows (or the given

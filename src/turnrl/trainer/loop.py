@@ -16,10 +16,10 @@ import errno
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -54,6 +54,9 @@ from turnrl.trainer.pipeline import stepper
 from turnrl.trainer.sinks import MetricSinks, trim_run_files
 from turnrl.trainer.step import RolloutWorkers, Trainer, run_groups
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
+
+if TYPE_CHECKING:
+    from turnrl.backends.vllm_backend import VLLMBackend
 
 Row = dict[str, Any]
 
@@ -112,6 +115,9 @@ class WorkersSpec:
     tokenizer: Any
     version: int
     """Its policy version."""
+    model_path: Path
+    """The model directory the policy was loaded from (with LoRA, the base its adapters sit
+    on): a vLLM worker builds its engine from it."""
 
 
 MakeWorkers = Callable[[WorkersSpec], RolloutWorkers]
@@ -227,13 +233,17 @@ def _run(
             if on_row:
                 on_row(row)
 
-        t, tokenizer, first = _start(config, spec, run_dir, checkpoint, progress, make_learner)
+        t, tokenizer, first, model_path = _start(
+            config, spec, run_dir, checkpoint, progress, make_learner
+        )
         start = load_state(t, checkpoint) if checkpoint is not None else 0
         monitor = Monitor(config.monitor)
         first.update(check_template(t, progress))
         first.update(check_sampler(t))
         if make_workers is not None:  # they start with the weights step 1 samples with
-            made = WorkersSpec(config, spec, t.learner.model, tokenizer, t.backend.policy_version)
+            made = WorkersSpec(
+                config, spec, t.learner.model, tokenizer, t.backend.policy_version, model_path
+            )
             t = dataclasses.replace(t, workers=make_workers(made))
         if checkpoint is None:
             emit({**first, **evaluate(t)})
@@ -294,10 +304,11 @@ def _start(
     checkpoint: Path | None,
     progress: bool,
     make_learner: MakeLearner | None = None,
-) -> tuple[Trainer, Any, Row]:
+) -> tuple[Trainer, Any, Row, Path]:
     """The model (built, or loaded from ``checkpoint``), warmed up on a fresh run; the
     learner (``make_learner``'s, or in this process) with its reference policy; the engine.
-    Returns the trainer, the tokenizer and the step-0 row so far (the warm-up's numbers)."""
+    Returns the trainer, the tokenizer, the step-0 row so far (the warm-up's numbers) and
+    the model directory the engines are built from."""
     lora = config.model.lora.rank > 0
     if checkpoint is None:
         model_path = _base_model(config, spec, run_dir, progress)
@@ -330,7 +341,7 @@ def _start(
             "policy) is missing"
         )
     if m.gradient_checkpointing:
-        _checkpoint_activations(model)
+        checkpoint_activations(model)
     resumed = checkpoint is not None
     made = LearnerSpec(model, config, run_dir / "start_model", resumed, autocast_dtype(config))
     learner = (make_learner or in_process_learner)(made)
@@ -339,6 +350,7 @@ def _start(
         Trainer.build(config, spec, backend, learner, renderer, limits, sampling),
         tokenizer,
         first,
+        model_path,
     )
 
 
@@ -365,7 +377,7 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _checkpoint_activations(model: Any) -> None:
+def checkpoint_activations(model: Any) -> None:
     """Gradient (activation) checkpointing, non-reentrant, by whichever name this
     transformers has (``activation_checkpointing_enable`` from 5.24)."""
     options = {"use_reentrant": False}
@@ -437,17 +449,34 @@ def _backend(config: Config, model: Any, tokenizer: Any, model_path: Path) -> Ba
     """The sampling engine ``rollout.backend`` names, holding ``model``'s current weights."""
     if config.rollout.backend == "torch":
         return torch_sampler(config, model, tokenizer, model_path)
+    engine = vllm_sampler(config, tokenizer, model_path, engine_weights)
+    engine.load_weights(model)  # the warmed-up (or resumed) weights, not the directory's
+    return engine
+
+
+def vllm_sampler(
+    config: Config,
+    tokenizer: Any,
+    model_path: Path,
+    weights_of: Callable[[Any], Mapping[str, torch.Tensor]],
+) -> VLLMBackend:
+    """A vLLM engine built from ``model_path`` for ``config``'s rollouts (the run's seed,
+    context length and precision); ``weights_of`` turns what ``load_weights`` and ``sync``
+    are given into the weights to load."""
     from turnrl.backends.vllm_backend import VLLMBackend
 
     r = config.rollout
-    engine = VLLMBackend(
+    return VLLMBackend(
         model_path, tokenizer, seed=config.seed,
-        max_model_len=r.max_context_tokens + r.max_tokens_per_turn,
-        weights_of=merged_state_dict if is_lora(model) else None,
+        max_model_len=r.max_context_tokens + r.max_tokens_per_turn, weights_of=weights_of,
         dtype="bfloat16" if config.model.precision == "bf16-mixed" else "float32",
     )  # fmt: skip
-    engine.load_weights(model)  # the warmed-up (or resumed) weights, not the directory's
-    return engine
+
+
+def engine_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The weights an engine samples ``model`` with, under the base model's names: a LoRA
+    policy's adapters merged into its base weights, any other policy's state dict."""
+    return merged_state_dict(model) if is_lora(model) else dict(model.state_dict())
 
 
 def check_template(t: Trainer, progress: bool = False) -> Row:
