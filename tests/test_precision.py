@@ -23,7 +23,7 @@ from turnrl.models.lora import add_lora, is_lora, merged_state_dict
 from turnrl.trainer.config import inert_settings, load_config, resolved
 from turnrl.trainer.forward import token_logprobs
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.loop import _checkpoint_activations, torch_sampler, train
+from turnrl.trainer.loop import checkpoint_activations, torch_sampler, train
 
 
 def test_bf16_mixed_keeps_float32_master_weights_and_autocasts_the_compute(
@@ -184,7 +184,7 @@ def test_sampler_weights_settings() -> None:
 def test_gradient_checkpointing_gives_the_same_gradients(model: Any, tokenizer: Any) -> None:
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)
     plain = copy.deepcopy(model)
-    _checkpoint_activations(model)
+    checkpoint_activations(model)
     layer = model.model.layers[0]
     checkpoint, calls = layer._gradient_checkpointing_func, []
 
