@@ -18,6 +18,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 ray = pytest.importorskip("ray", reason="Ray is not installed")
 
+from test_rollout_workers import deterministic, rows  # noqa: E402
 from turnrl.api import train  # noqa: E402
 from turnrl.distributed.rollout_workers import RolloutWorker  # noqa: E402
 from turnrl.envs import make_env_spec  # noqa: E402
@@ -26,7 +27,6 @@ from turnrl.trainer.config import Config, load_config, resolved  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-Row = dict[str, Any]
 
 RUN = [
     "steps=3", "threads=1", "save_every=1", "model.hidden_size=64", "model.num_heads=2",
@@ -41,18 +41,6 @@ attention needs it)."""
 
 def config(workers: int, *more: str) -> Config:
     return load_config(None, [*RUN, f"cluster.rollout_workers={workers}", *more])
-
-
-def rows(run_dir: Path) -> list[Row]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def deterministic(row: Row) -> Row:
-    return {
-        k: v
-        for k, v in row.items()
-        if not k.startswith("perf/") and k not in ("warmup/s", "rollout/worker_restarts")
-    }
 
 
 def turns(run_dir: Path) -> list[tuple[Any, ...]]:
