@@ -151,12 +151,7 @@ class LearnerGroup:
         (``Learner.step_samples`` on each)."""
         if len(samples) != len(advantages):
             raise ValueError("one advantage per sample is required")
-        if not samples:
-            raise ValueError("cannot step on no samples")
-        shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
-        args = [([samples[i] for i in s], [advantages[i] for i in s], pad_id) for s in shards]
-        metrics: dict[str, float] = self._call("step_samples", args)[0]
-        return metrics
+        return self._step_on_shards("step_samples", samples, advantages, pad_id)
 
     def step_samples_gae(
         self,
@@ -169,11 +164,18 @@ class LearnerGroup:
         samples, GAE runs per sample, the whitening and normalisers are the whole batch's."""
         if len(samples) != len(token_rewards):
             raise ValueError("one reward sequence per sample is required")
+        return self._step_on_shards("step_samples_gae", samples, token_rewards, pad_id)
+
+    def _step_on_shards(
+        self, call: str, samples: Sequence[Sample], per_sample: Sequence[Any], pad_id: int
+    ) -> dict[str, float]:
+        """The update ``call`` on every rank, each given its share of ``samples`` (by token
+        count) with their ``per_sample`` values; the metrics (the same on every rank)."""
         if not samples:
             raise ValueError("cannot step on no samples")
         shards = shard_by_tokens([len(s.input_ids) for s in samples], self.num_ranks)
-        args = [([samples[i] for i in s], [token_rewards[i] for i in s], pad_id) for s in shards]
-        metrics: dict[str, float] = self._call("step_samples_gae", args)[0]
+        args = [([samples[i] for i in s], [per_sample[i] for i in s], pad_id) for s in shards]
+        metrics: dict[str, float] = self._call(call, args)[0]
         return metrics
 
     def critic_state_dict(self) -> dict[str, Any]:
