@@ -19,6 +19,7 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer import forward
+from turnrl.trainer import learner as learner_module
 from turnrl.trainer.config import AlgorithmConfig, build
 from turnrl.trainer.forward import pack_rows, token_logprobs
 from turnrl.trainer.learner import (
@@ -165,6 +166,25 @@ def test_reference_model_exists_only_with_a_kl_coefficient(model: Any, tokenizer
     assert abs(first["loss/kl"]) < 1e-6  # the policy is still the reference
     second = learner.step(batch)
     assert second["loss/kl"] > 0.0  # one large step later they differ
+
+
+def test_the_reference_runs_once_per_micro_batch_whatever_the_epochs(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    learner = Learner(model, algo(kl__coef=0.1, epochs=3, micro_batch__size=2), temperature=1.0)
+    forwards: list[Any] = []
+
+    def counted(net: Any, *args: Any, **kwargs: Any) -> Any:
+        forwards.append(net)
+        return token_logprobs(net, *args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "token_logprobs", counted)
+    learner.step(batch)
+    micro = len(learner.micro_batches(batch))
+    assert micro == 2
+    assert sum(net is learner.ref_model for net in forwards) == micro  # not 3 passes x 2
+    assert sum(net is learner.model for net in forwards) == 3 * micro
 
 
 def test_later_epochs_reuse_the_batch_under_the_clip(model: Any, tokenizer: Any) -> None:

@@ -316,8 +316,9 @@ class Learner:
         num_seqs = torch.stack([mb.loss_mask.any(-1).sum() for mb in micro]).sum().clamp(min=1)
         norms = (num_tokens, num_seqs.float())
         proximal: list[torch.Tensor] = []
+        refs: list[torch.Tensor | None] = []
         with self.autocasting():
-            passes = [self._pass(micro, norms, proximal) for _ in range(cfg.epochs)]
+            passes = [self._pass(micro, norms, proximal, refs) for _ in range(cfg.epochs)]
         totals, grad_norm = passes[0]
         clipped = sum(t["clipped"] for t, _ in passes) / len(passes)
         off_policy = {k: v for k, v in totals.items() if k.startswith("off_policy/")}
@@ -355,16 +356,33 @@ class Learner:
         out = self.policy_loss(logprobs, proximal, mb.old_logprobs, adv, mb, self.config)
         return self.correction(out, proximal, mb, self.config)
 
+    def _reference_logprobs(self, mb: Batch) -> torch.Tensor | None:
+        """The reference policy's log-probs of ``mb``'s tokens for the KL loss, or
+        ``None`` when there is none (no reference, or the KL goes into the reward)."""
+        if not (self.has_reference and self.config.kl.placement == "loss"):
+            return None
+        # Before the policy's forward: a LoRA reference toggles the adapters.
+        with torch.no_grad(), self.reference() as reference:
+            ref, _ = token_logprobs(
+                reference, mb.input_ids, mb.attention_mask, mb.loss_mask,
+                self.temperature, layout=self.config.micro_batch.layout,
+            )  # fmt: skip
+        return ref
+
     def _pass(
         self,
         micro: Sequence[Batch],
         norms: tuple[torch.Tensor, torch.Tensor],
         proximal: list[torch.Tensor],
+        refs: list[torch.Tensor | None],
     ) -> tuple[dict[str, float], float]:
         """One optimizer step over all micro-batches; returns its totals and grad norm.
 
         ``proximal`` is empty on the first pass and is filled with each micro-batch's
-        detached log-probs, the anchor of the clip for this and later passes.
+        detached log-probs, the anchor of the clip for this and later passes. ``refs``
+        likewise keeps the reference policy's log-probs (``None`` without a KL loss): the
+        reference does not change between passes, so with ``epochs`` > 1 its forward runs
+        once per step, not once per pass.
         """
         cfg = self.config
         num_tokens = norms[0]
@@ -372,14 +390,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(("loss", "kl", "entropy", "clipped", "abs_gap", "max_gap"), 0.0)
         for i, mb in enumerate(micro):
-            ref = None
-            if self.has_reference and cfg.kl.placement == "loss":
-                # Before the policy's forward: a LoRA reference toggles the adapters.
-                with torch.no_grad(), self.reference() as reference:
-                    ref, _ = token_logprobs(
-                        reference, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                        self.temperature, layout=cfg.micro_batch.layout,
-                    )  # fmt: skip
+            if first:
+                refs.append(self._reference_logprobs(mb))
+            ref = refs[i]
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
                 entropy_grad=cfg.entropy_coef > 0, layout=cfg.micro_batch.layout,
