@@ -111,6 +111,22 @@ def test_the_reference_is_the_base_with_adapters_off(tiny_model_dir: Path, token
     assert metrics["loss/kl"] > 1e-5  # the adapted policy differs from its base
 
 
+def test_switching_adapters_off_leaves_every_requires_grad_flag_as_it_was(
+    tiny_model_dir: Path,
+) -> None:
+    """peft's switch flips the adapters' flags off and on; under FSDP2 that landed on
+    other tensors than it started from and froze the sharded adapters (LoRA with a KL on
+    learner ranks then had no gradient in a step's second epoch)."""
+    model = lora_model(tiny_model_dir)
+    frozen = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    frozen.requires_grad_(False)  # e.g. an adapter its owner froze on purpose
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert any(before.values()) and not all(before.values())
+    with adapters_off(model):
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+
+
 def test_adapters_round_trip_through_peft_files(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = lora_model(tiny_model_dir)
     save_adapters(model, tmp_path / "adapters")

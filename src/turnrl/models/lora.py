@@ -96,16 +96,25 @@ def _tuner_layers(model: Any) -> list[Any]:
 def adapters_off(model: Any) -> Iterator[Any]:
     """``model`` as its base policy (adapters switched off) for the duration of the block.
 
-    The adapters' ``requires_grad`` is restored on exit: score the reference before the
-    policy's forward pass of a step, not between its forward and backward."""
+    Score the reference before the policy's forward pass of a step, not between its
+    forward and backward. peft's switch also sets the adapters' ``requires_grad`` to False
+    and back to True; this keeps every parameter's flag as it was instead. Under FSDP2 the
+    switch would otherwise land on whichever tensors are registered at the time (sharded
+    before a forward, unsharded after one), leave the sharded adapters frozen, and a later
+    forward that was not preceded by this block would carry no gradient."""
     layers = _tuner_layers(model)
+    flags = [(p, p.requires_grad) for p in model.parameters()]
     for layer in layers:
         layer.enable_adapters(False)
+    for p, flag in flags:
+        p.requires_grad_(flag)
     try:
         yield model
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:
