@@ -46,3 +46,16 @@ def test_a_results_file_of_one_seed_is_read_as_rows_of_that_seed() -> None:
     new = presets.upgraded(old)
     assert "seed" not in new
     assert new["runs"] == [{"preset": "grpo", "final_success": 0.9, "seed": 1}]
+
+
+def test_a_run_that_reached_the_bar_and_then_collapsed_did_not_pass() -> None:
+    def run(seed: int, final: float, reached: int | None) -> dict[str, Any]:
+        return {**row("reinforce_pp", final=final, seed=seed), "best_success": 0.91,
+                "minutes_to_80": 11.3 if reached else None, "step_reaching_80": reached}  # fmt: skip
+
+    held, fell, never = run(0, 0.84, 160), run(1, 0.00, 590), run(2, 0.20, None)
+    assert [presets.verdict(r) for r in (held, fell, never)] == ["passed", "fell", "not reached"]
+    assert presets.verdict(run(3, presets.HOLD, 200)) == "passed"  # the evaluation's noise
+    last = presets.summary([held, fell, never]).splitlines()[-1]
+    assert last.endswith("| no: seed 1 fell, seed 2 not reached |")
+    assert presets.summary([held]).splitlines()[-1].endswith("| yes |")
