@@ -121,7 +121,8 @@ def test_switching_adapters_off_leaves_every_requires_grad_flag_as_it_was(
     frozen = next(p for n, p in model.named_parameters() if "lora_A" in n)
     frozen.requires_grad_(False)  # e.g. an adapter its owner froze on purpose
     before = {n: p.requires_grad for n, p in model.named_parameters()}
-    assert any(before.values()) and not all(before.values())
+    assert any(before.values())
+    assert not all(before.values())
     with adapters_off(model):
         assert {n: p.requires_grad for n, p in model.named_parameters()} == before
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before
