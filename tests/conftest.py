@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,22 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.trainer.config import WarmupConfig
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs a worker per core), each worker's torch gets
+    its share of the cores: a worker per core each running torch on every core would
+    oversubscribe them. Tests that need a thread count set their own (``threads=``)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files holding a ``learning`` test (minutes each) first, the rest in their order: with
+    a worker per core taking whole files, the longest file then does not start last."""
+    slow = {item.path for item in items if item.get_closest_marker("learning")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within is kept
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from test_learner import algo
-from turnrl.distributed import LearnerGroup, LearnerRankError
+from turnrl.distributed import LearnerGroup, LearnerRankError, wire
 from turnrl.distributed.learner_group import shard_by_tokens, split_batch
 from turnrl.distributed.rank import ShardedLearner
 from turnrl.errors import TurnrlError
@@ -316,3 +316,14 @@ def test_a_group_on_the_gpu_over_nccl_equals_the_in_process_learner(tiny_model_d
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     ours = {k: v.cpu() for k, v in reference.model.state_dict().items()}
     assert max_diff({k: v.cpu() for k, v in weights.items()}, ours) < 1e-5
+
+
+def test_a_message_to_or_from_a_rank_is_a_snapshot_shared_with_no_process() -> None:
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3)}
+    data = wire.encode(("ok", weights))
+    weights["w"].add_(100.0)  # the sender goes on changing its live tensors
+    status, got = wire.decode(data)
+    assert status == "ok"
+    assert torch.equal(got["w"], torch.arange(6.0).reshape(2, 3))
+    assert int(got["step"]) == 3
+    assert not got["w"].is_shared()  # its own memory, not a shared-memory segment

@@ -2,7 +2,8 @@
 
 The group starts its ranks itself (processes, ``torch.multiprocessing`` spawn), joins them
 with a rendezvous on a free local port (a ``TCPStore`` the driver holds) and talks to each
-over a queue (calls) and a pipe (answers). gloo on the CPU, NCCL on GPUs (one per rank).
+over a queue (calls) and a pipe (answers), in pickles that hold their tensors' data
+(wire.py). gloo on the CPU, NCCL on GPUs (one per rank).
 Each call splits its batch across the ranks; every rank runs the ``Learner``'s update on its
 shard, normalised by the whole batch's counts (rank.py), so the update equals the one the
 in-process learner makes from the whole batch.
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from turnrl.distributed import wire
 from turnrl.distributed.rank import ModelSource, RankSpec, serve
 from turnrl.errors import TurnrlError
 from turnrl.rollout.batch import Batch
@@ -222,8 +224,8 @@ class LearnerGroup:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what ``state_dict`` returned (each rank reads it through shared memory and
-        keeps its shard)."""
+        """Load what ``state_dict`` returned (each rank is sent all of it and keeps its
+        shard)."""
         self._call("load_state_dict", [(state,)] * self.num_ranks)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -272,7 +274,8 @@ class LearnerGroup:
         label = f"{name} {self._calls[kind]}" if kind == name else name
         command = name if kind != "call" else "call"
         for commands, rank_args in zip(self._commands, args, strict=True):
-            commands.put((command, rank_args))  # a feeder thread writes: never blocks here
+            # a feeder thread writes: never blocks here; bytes: tensors by value (wire.py)
+            commands.put(wire.encode((command, rank_args)))
         return self._await(label, self.timeout_s)
 
     def _await(self, label: str, timeout_s: float) -> list[Any]:
@@ -293,7 +296,7 @@ class LearnerGroup:
                 if self._answers[rank] not in ready:
                     continue
                 try:
-                    status, value = self._answers[rank].recv()
+                    status, value = wire.decode(self._answers[rank].recv_bytes())
                 except (EOFError, OSError):
                     break  # the rank is gone: its death is reported below
                 if status == "error":

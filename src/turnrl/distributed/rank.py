@@ -32,13 +32,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from turnrl.backends.hf_cache import cache_kwargs, returned_cache
+from turnrl.distributed import wire
 from turnrl.models import load_model
 from turnrl.models.lora import is_lora
 from turnrl.rollout.batch import Batch
@@ -394,8 +395,8 @@ def full_state_dict(learner: ShardedLearner) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights: dict[str, torch.Tensor] = copied(get_model_state_dict(learner.root, options=options))
-    return weights
+    weights = get_model_state_dict(learner.root, options=options)  # plain CPU tensors, whole
+    return cast(dict[str, torch.Tensor], weights)
 
 
 def state_dict(learner: ShardedLearner) -> dict[str, Any]:
@@ -411,30 +412,13 @@ def state_dict(learner: ShardedLearner) -> dict[str, Any]:
         # step taken, which changes Adam's next update): undo that, say it is fresh.
         learner.optimizer.state.clear()
         optimizer = {**optimizer, "state": {}}
-    state: dict[str, Any] = copied({"model": model, "optimizer": optimizer})
-    return state
-
-
-def copied(value: Any) -> Any:
-    """``value`` with every tensor copied. What a rank sends goes through shared memory,
-    and a state dict may hold the live tensors themselves (the optimizer's step count; with
-    one rank, the weights): the driver must get a snapshot, not a view of them."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: copied(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(copied(v) for v in value)
-    return value
+    return {"model": model, "optimizer": optimizer}
 
 
 def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
-    """Load ``state_dict``'s output (every rank is given all of it). It is copied first:
-    the optimizer would otherwise keep the given tensors (its step count), which are the
-    driver's, through shared memory."""
+    """Load ``state_dict``'s output (every rank is given all of it, its own copy: wire.py)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = copied(state)
     options = StateDictOptions(full_state_dict=True)
     set_state_dict(
         learner.root, learner.optimizer, model_state_dict=state["model"],
@@ -445,12 +429,11 @@ def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
 
 
 def load_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor]) -> None:
-    """Whole weights into this rank's shard of the model (copied: they come through shared
-    memory)."""
+    """Whole weights into this rank's shard of the model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(learner.root, copied(weights), options=options)
+    set_model_state_dict(learner.root, cast(dict[str, Any], weights), options=options)
 
 
 def critic_state_dict(learner: ShardedLearner) -> dict[str, Any]:
@@ -468,8 +451,7 @@ def critic_state_dict(learner: ShardedLearner) -> dict[str, Any]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state["trunk"] = get_model_state_dict(learner.critic_root, options=options)
     state["optimizer"] = _full_tensors(state["optimizer"])
-    whole: dict[str, Any] = copied(state)
-    return whole
+    return state
 
 
 def load_critic_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
@@ -479,7 +461,6 @@ def load_critic_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> No
 
     critic = learner.critic
     assert isinstance(critic, ShardedCritic)
-    state = copied(state)
     critic.head.load_state_dict(state["head"])
     if not critic.shared:
         options = StateDictOptions(full_state_dict=True)
@@ -575,20 +556,20 @@ def serve(
         )  # fmt: skip
         learner = build_learner(spec, rank, world)
     except BaseException:
-        answers.send(("error", traceback.format_exc()))
+        answers.send_bytes(wire.encode(("error", traceback.format_exc())))
         return
-    answers.send(("ok", None))
+    answers.send_bytes(wire.encode(("ok", None)))
     while True:
         try:
-            name, args = commands.get()
+            name, args = wire.decode(commands.get())
         except (EOFError, OSError):
             break
         if name == "close":
             break
         try:
-            answers.send(("ok", COMMANDS[name](learner, *args)))
+            answers.send_bytes(wire.encode(("ok", COMMANDS[name](learner, *args))))
         except BaseException:
-            answers.send(("error", traceback.format_exc()))
+            answers.send_bytes(wire.encode(("error", traceback.format_exc())))
     dist.destroy_process_group()
 
 
