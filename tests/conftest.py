@@ -33,13 +33,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding a ``learning`` test (minutes each) first, the rest in their order: with
-    a worker per core taking whole files, the longest file then does not start last."""
-    slow = {item.path for item in items if item.get_closest_marker("learning")}
-    items.sort(key=lambda item: item.path not in slow)  # stable: the order within is kept
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
