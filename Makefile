@@ -84,13 +84,14 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 # The main suite runs on a pytest-xdist worker per core (at most 4), each taking whole test
-# files (module fixtures are built once; TEST_WORKERS=0 runs it in this process); then the
-# learning tests, one at a time with the machine to themselves (each uses several cores,
-# and beside other tests on 2 cores one took 3x as long).
+# files (module fixtures are built once; TEST_WORKERS=0 runs it in this process); then, one
+# at a time with the machine to themselves, the learning tests (each uses several cores, and
+# beside other tests on 2 cores one took 3x as long) and the `serial` ones (they check
+# machine-wide state that another test process may change).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test: lint typecheck setup-test setup-vllm
-	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning"
-	$(VENV)/bin/pytest -q --durations=5 -m learning
+	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
+	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"
 	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_benchmark_backends.py tests/test_eval_vllm_server.py)
 
 unit: setup-test

@@ -25,6 +25,11 @@ from turnrl.tools.hostile import ATTACKS, Attack, run_attack
 from turnrl.tools.sandbox import remove_tree
 from turnrl.tools.seccomp import ABIS, RET_ALLOW, RET_KILL_PROCESS, syscall_filter
 
+# After each attack the slot's uid must be free of processes and of its lock, a check of
+# machine-wide state: a sandbox of another test process may take the uid meanwhile (seen
+# under pytest-xdist), so `make test` runs this file alone, after the parallel suite.
+pytestmark = pytest.mark.serial
+
 LIMITS = SandboxLimits(
     max_memory_mb=256,
     max_cpu_s=5,
