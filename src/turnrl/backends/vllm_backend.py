@@ -90,7 +90,7 @@ class VLLMBackend:
 
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
-            _check_cpu_head_size(Path(model_dir))
+            check_cpu_head_size(Path(model_dir))
         options: dict[str, Any] = {
             "model": str(model_dir),
             "dtype": dtype,
@@ -341,17 +341,27 @@ MIN_CPU_HEAD_SIZE = 32
 """vLLM's CPU attention refuses smaller heads ("Unsupported CPU attention configuration")."""
 
 
-def _check_cpu_head_size(model_dir: Path) -> None:
+def check_cpu_head_size(model_dir: Path) -> None:
     """Refuse, before vLLM starts, a model whose attention heads its CPU kernel cannot run."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return  # vLLM will say what is wrong with the directory
+    problem = cpu_head_size_problem(config, str(model_dir))
+    if problem:
+        raise ConfigError(problem)
+
+
+def cpu_head_size_problem(config: Mapping[str, Any], name: str) -> str | None:
+    """What is wrong with a model config (Hugging Face keys) for vLLM's CPU attention, or
+    None. ``name`` says which model it is in the message."""
     heads = config.get("num_attention_heads")
-    size = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
-    if size and size < MIN_CPU_HEAD_SIZE:
-        raise ConfigError(
-            f"vLLM's CPU attention needs heads of at least {MIN_CPU_HEAD_SIZE} dimensions; "
-            f"{model_dir} has {size} ({config.get('hidden_size')} / {heads} heads). For the "
-            f"tiny model set model.num_heads = {max(1, config.get('hidden_size', 0) // 32)}."
-        )
+    hidden = config.get("hidden_size", 0)
+    size = config.get("head_dim") or (hidden // heads if heads else 0)
+    if not size or size >= MIN_CPU_HEAD_SIZE:
+        return None
+    return (
+        f"vLLM's CPU attention needs heads of at least {MIN_CPU_HEAD_SIZE} dimensions; "
+        f"{name} has {size} ({hidden} / {heads} heads). For the tiny model set "
+        f"model.num_heads = {max(1, hidden // MIN_CPU_HEAD_SIZE)}."
+    )

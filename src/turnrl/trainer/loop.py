@@ -310,6 +310,7 @@ def _start(
     Returns the trainer, the tokenizer, the step-0 row so far (the warm-up's numbers) and
     the model directory the engines are built from."""
     lora = config.model.lora.rank > 0
+    _check_engine_shapes(config)
     if checkpoint is None:
         model_path = _base_model(config, spec, run_dir, progress)
     else:  # a LoRA checkpoint holds only the adapters: the base is the run's start_model
@@ -612,6 +613,23 @@ def tiny_model_config(config: Config) -> TinyModelConfig:
         echo_novel=m.echo_novel,
         seed=config.seed,
     )
+
+
+def _check_engine_shapes(config: Config) -> None:
+    """vLLM's CPU attention refuses narrow heads: say so now, not after the minutes a tiny
+    model's pretraining and the warm-up take."""
+    if config.rollout.backend != "vllm" or torch.cuda.is_available():
+        return
+    from turnrl.backends.vllm_backend import check_cpu_head_size, cpu_head_size_problem
+
+    m = config.model
+    if m.path:
+        check_cpu_head_size(Path(m.path))
+        return
+    shape = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_heads}
+    problem = cpu_head_size_problem(shape, "the tiny model (model.hidden_size / num_heads)")
+    if problem:
+        raise ConfigError(problem)
 
 
 def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
