@@ -26,7 +26,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm demo test lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm demo test test-vllm-learning lint typecheck unit learning-proof lock test-latest clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -93,6 +93,12 @@ test: lint typecheck setup-test setup-vllm
 	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
 	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"
 	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_benchmark_backends.py tests/test_eval_vllm_server.py)
+
+# The vLLM learning test (tests/test_vllm_learning.py): the probe learns with every episode
+# sampled by vLLM, about 10 minutes on 2 cores, so `make test` leaves it out to stay under
+# 25 minutes. In .venv-vllm on a CPU machine, in .venv (with turnrl[vllm]) on a GPU one.
+test-vllm-learning: setup-test setup-vllm
+	$(if $(HAS_GPU),$(VENV),$(VLLM_VENV))/bin/pytest -q -p no:cacheprovider tests/test_vllm_learning.py
 
 unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"
