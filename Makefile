@@ -26,7 +26,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm demo test test-vllm-learning lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm setup-trl checks demo test test-vllm-learning lint typecheck unit learning-proof lock test-latest clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -72,6 +72,11 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 
 setup-vllm: $(if $(HAS_GPU),,$(VLLM_STAMP))
 
+# TRL's virtualenv for benchmarks/vs_trl.py (the peer, at the torch and transformers of
+# .venv), made here so the benchmark's smoke test does not spend a test worker's minute on it.
+setup-trl: setup
+	$(PY) benchmarks/vs_trl.py --setup-only
+
 demo: setup
 	$(VENV)/bin/turnrl train --out $(DEMO_OUT)
 
@@ -89,7 +94,12 @@ typecheck: setup
 # beside other tests on 2 cores one took 3x as long) and the `serial` ones (they check
 # machine-wide state that another test process may change).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-test: lint typecheck setup-test setup-vllm
+# Set-up and static checks first, as parallel jobs (the virtualenvs' installs wait on disk and
+# network more than on the CPU): .venv and .venv-vllm together, then the checks, apt's
+# packages and TRL's virtualenv beside what is left of them.
+checks: lint typecheck setup-test setup-vllm setup-trl
+test:
+	$(MAKE) --no-print-directory -j4 -Otarget checks
 	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
 	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"
 	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_benchmark_backends.py tests/test_eval_vllm_server.py)

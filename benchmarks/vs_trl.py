@@ -280,11 +280,18 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--single-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--setup-only", action="store_true",
+        help=f"make TRL's virtualenv ({TRL_VENV}) and stop (make setup-trl)",
+    )  # fmt: skip
     smoke = {
         "repeats": 1, "steps": 1, "warmup_steps": 1, "prompts": 2, "group_size": 2,
         "single_tokens": 8, "threads": 1,
     }  # fmt: skip
     args = parse_args(parser, "vs_trl", smoke, runs=True)
+    if args.setup_only:
+        print(f"TRL's virtualenv: {ensure_trl_venv()}")
+        return
 
     work = args.runs_dir / "vs_trl"
     work.mkdir(parents=True, exist_ok=True)

@@ -294,7 +294,8 @@ OWN_TEST = {"backends"}
 (tests/test_benchmark_backends.py)."""
 """Scripts another one runs (TRL's side, in TRL's virtualenv), checked by its smoke test."""
 TIMEOUT_S = {"vs_trl": 600}
-"""vs_trl makes TRL's virtualenv on first use (about a minute); the others take seconds."""
+"""vs_trl makes TRL's virtualenv on first use (about a minute) unless `make setup-trl` has; the
+others take seconds."""
 
 
 def test_every_benchmark_script_has_a_smoke_test() -> None:

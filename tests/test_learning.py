@@ -16,8 +16,15 @@ from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
 
+class Reached(Exception):
+    """The held-out success reached the bar: the run has shown what it had to."""
+
+
 @pytest.mark.learning
 def test_rl_learns_the_secret_lookup_probe(tmp_path: Path) -> None:
+    """Stops at the first evaluation at or above 0.8. Measured on the 2-core machine:
+    0.125 at step 0, 0.16 at step 100, 0.47 at 120, 0.69 at 130, 0.86 at 140 (5.7 minutes
+    in all, 2 minutes of it building, echo-tuning and warming up the model)."""
     config = load_config(
         "quickstart",
         [
@@ -30,16 +37,21 @@ def test_rl_learns_the_secret_lookup_probe(tmp_path: Path) -> None:
             "eval.num_tasks=64",
         ],
     )
-    rows = train(config, tmp_path / "run", progress=False).rows
-    curve = [(r["step"], r["eval/success_mean"]) for r in rows if "eval/success_mean" in r]
-    start, best = curve[0][1], max(v for _, v in curve)
-    assert start <= 0.2, curve  # after the warm-up: about chance, 1 in 12
-    assert best >= 0.6, curve  # the tool is called with the right key and its value copied
+    rows: list[dict[str, float]] = []
+    curve: list[tuple[int, float]] = []
+
+    def on_row(row: dict[str, float]) -> None:
+        rows.append(row)
+        if "eval/success_mean" in row:
+            curve.append((int(row["step"]), row["eval/success_mean"]))
+            if row["eval/success_mean"] >= 0.8:
+                raise Reached
+
+    with pytest.raises(Reached):
+        train(config, tmp_path / "run", progress=False, on_row=on_row)
+    assert curve[0][1] <= 0.2, curve  # after the warm-up: about chance, 1 in 12
+    # the tool is called with the right key and its value copied
     assert rows[-1]["rollout/tool_calls_mean"] > 0.9
-
-
-class Reached(Exception):
-    """The held-out success reached the bar: the run has shown what it had to."""
 
 
 @pytest.mark.learning
