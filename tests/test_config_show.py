@@ -118,7 +118,8 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     assert main(["config", "show", "--set", "cluster.learner_ranks=2"]) == 0
     out = capsys.readouterr().out
     assert tomllib.loads(out)["cluster"] == {
-        "learner_ranks": 2, "rollout_workers": 0, "worker_timeout_s": 900.0, "address": "",
+        "learner_ranks": 2, "fsdp_unit": "layer", "rollout_workers": 0,
+        "worker_timeout_s": 900.0, "address": "",
     }  # fmt: skip
     assert "rollout_workers = 0  # Inference engines with their environments: 0 samples" in out
     assert load_config(None, ["cluster.rollout_workers=2"]).cluster.rollout_workers == 2
@@ -132,3 +133,8 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
             load_config(None, [f"cluster.{key}=-1"])
     with pytest.raises(ConfigError, match=r"cluster\.worker_timeout_s must be > 0"):
         load_config(None, ["cluster.worker_timeout_s=0"])
+    with pytest.raises(
+        ConfigError, match=r"cluster\.fsdp_unit must be one of \['layer', 'model'\]"
+    ):
+        load_config(None, ["cluster.fsdp_unit=block"])
+    assert load_config(None, ["cluster.fsdp_unit=model"]).cluster.fsdp_unit == "model"

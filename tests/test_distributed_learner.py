@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from test_learner import algo
 from turnrl.distributed import LearnerGroup, LearnerRankError, wire
 from turnrl.distributed.learner_group import shard_by_tokens, split_batch
-from turnrl.distributed.rank import ShardedLearner
+from turnrl.distributed.rank import ShardedLearner, decoder_layers
 from turnrl.errors import TurnrlError
 from turnrl.models import load_model
 from turnrl.rollout.batch import Batch, pack
@@ -101,10 +102,89 @@ def groups(tiny_model_dir: Path) -> Iterator[dict[int, tuple[LearnerGroup, dict[
             group.close()
 
 
+@pytest.fixture(scope="module")
+def whole_unit_group(tiny_model_dir: Path) -> Iterator[tuple[LearnerGroup, dict[str, Any]]]:
+    """2 ranks sharding the model as one FSDP2 unit (``fsdp_unit="model"``)."""
+    with LearnerGroup(
+        tiny_model_dir, CONFIG, num_ranks=2, temperature=TEMPERATURE, timeout_s=60,
+        fsdp_unit="model",
+    ) as group:  # fmt: skip
+        yield group, group.state_dict()
+
+
 def fresh(groups: dict[int, tuple[LearnerGroup, dict[str, Any]]], n: int) -> LearnerGroup:
     group, start = groups[n]
     group.load_state_dict(start)
     return group
+
+
+def whole_layers_while_computing(learner: ShardedLearner) -> dict[str, int]:
+    """On every rank: one update, and the most decoder layers of the policy and of the
+    KL reference held whole (not as DTensor shards) when a layer starts its forward."""
+    most = {"policy": 0, "reference": 0}
+    handles = []
+    for name, model in (("policy", learner.root), ("reference", learner.reference_root)):
+        layers = decoder_layers(model)
+
+        def count(module: Any, args: Any, name: str = name, layers: Any = layers) -> None:
+            whole = sum(not isinstance(layer.mlp.up_proj.weight, DTensor) for layer in layers)
+            most[name] = max(most[name], whole)
+
+        handles += [layer.register_forward_pre_hook(count) for layer in layers]
+    try:
+        learner.step(batch())
+    finally:
+        for handle in handles:
+            handle.remove()
+    # after the step nothing is held whole, the frozen reference's root included
+    for model in (learner.root, learner.reference_root):
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+    return most
+
+
+def test_layer_units_hold_one_decoder_layer_whole_at_a_time(
+    groups: Any, whole_unit_group: Any
+) -> None:
+    """``fsdp_unit="layer"`` (the default): while a layer computes, every other decoder
+    layer of the policy and of the reference stays a shard; ``"model"`` gathers them all."""
+    assert (
+        fresh(groups, 2).call(whole_layers_while_computing) == [{"policy": 1, "reference": 1}] * 2
+    )
+    group, start = whole_unit_group
+    group.load_state_dict(start)
+    assert group.call(whole_layers_while_computing) == [{"policy": 2, "reference": 2}] * 2
+
+
+@pytest.mark.parametrize("unit", ["layer", "model"])
+def test_either_unit_gives_the_in_process_update_with_a_shared_prefix(
+    groups: Any, whole_unit_group: Any, tiny_model_dir: Path, unit: str
+) -> None:
+    """The rows share a 12-token prompt, which the in-process learner runs once; layer
+    units run every row whole (one call per forward on every rank); either way the update
+    is the in-process one."""
+    reference = in_process(tiny_model_dir)
+    s, adv = samples(7, seed=1), advantages(7)
+    expected = reference.step_samples(s, adv, pad_id=0)
+    if unit == "layer":
+        group = fresh(groups, 2)
+    else:
+        group, start = whole_unit_group
+        group.load_state_dict(start)
+    got = group.step_samples(s, adv, pad_id=0)
+    assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+    assert got["loss/kl"] == pytest.approx(expected["loss/kl"], rel=1e-5, abs=1e-7)
+    assert max_diff(group.full_state_dict(), reference.model.state_dict()) < 1e-5
+    after = samples(3, seed=4)
+    got_kl, expected_kl = group.reference_kl(after, 0), reference.reference_kl(after, 0)
+    assert [len(k) for k in got_kl] == [len(k) for k in expected_kl]
+    flat = [x for k in got_kl for x in k]
+    assert flat == pytest.approx([x for k in expected_kl for x in k], abs=1e-6)
+    assert max(flat) > 0
+
+
+def test_a_model_without_decoder_layer_classes_is_refused_for_layer_units() -> None:
+    with pytest.raises(ValueError, match=r"cluster\.fsdp_unit = 'model'"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
@@ -238,6 +318,17 @@ def assert_gone(pids: list[int]) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_closed_ranks_leave_the_group_cleanly(tiny_model_dir: Path) -> None:
+    """``close`` asks each rank to leave: every rank process exits with status 0 (not
+    killed, not failed), well before the close deadline."""
+    group = LearnerGroup(tiny_model_dir, CONFIG, num_ranks=2, temperature=TEMPERATURE)
+    processes = list(group._processes)
+    started = time.monotonic()
+    group.close()
+    assert time.monotonic() - started < 5.0
+    assert [p.exitcode for p in processes] == [0, 0]
 
 
 def test_a_killed_rank_is_named_within_the_deadline(tiny_model_dir: Path) -> None:

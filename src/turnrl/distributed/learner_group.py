@@ -72,6 +72,8 @@ class LearnerGroup:
     ``num_threads``: torch threads per rank (0: on the CPU, the cores shared among the
     ranks; on GPUs, torch's default). ``checkpoint_activations``: each rank's model
     recomputes its layers' activations in the backward (``model.gradient_checkpointing``).
+    ``fsdp_unit``: ``"layer"`` shards each decoder layer as an FSDP2 unit of its own (a rank
+    holds one layer whole at a time), ``"model"`` the whole model as one (rank.py).
     Use as a context manager, or call ``close``.
     """
 
@@ -90,6 +92,7 @@ class LearnerGroup:
         seed: int = 0,
         num_threads: int = 0,
         checkpoint_activations: bool = False,
+        fsdp_unit: str = "layer",
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -108,7 +111,7 @@ class LearnerGroup:
             ),
             # Longer than a call's deadline: the driver names a hung rank first.
             collective_timeout_s=timeout_s + 60.0,
-            checkpoint_activations=checkpoint_activations,
+            checkpoint_activations=checkpoint_activations, fsdp_unit=fsdp_unit,
         )  # fmt: skip
         # The rendezvous: a store on a free port (the OS picks it), held here.
         self._store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -242,7 +245,7 @@ class LearnerGroup:
             return
         self._closed = True
         for commands in self._commands:
-            commands.put(("close", ()))
+            commands.put(wire.encode(("close", ())))
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))

@@ -7,17 +7,27 @@ ranks) and the view of the FSDP2 model that the learner's forward code calls. Th
 the reductions and the optimizer step are the ``Learner``'s own (trainer/learner.py);
 nothing of the math is repeated here. The driver side is learner_group.py.
 
-Why the model is sharded as one FSDP2 unit, called through its root: the learner's forward
-code (trainer/forward.py) calls ``model.base_model`` once or twice per micro-batch (twice
-when the rows share a prefix, which depends on the data) and the output layer on its own.
-FSDP2 gathers a unit's parameters in the unit's forward hook and reduces its gradients
-after its backward, so every rank must run the same sequence of unit calls. Here each call
-of ``base_model`` goes through the root's forward; the root keeps its gathered parameters
-until its backward, so a second call in the same micro-batch gathers nothing, and the
-gradients are reduce-scattered once per backward. Every rank runs the same number of
-micro-batches (empty ones are added where a rank has fewer), so the collectives line up
-whatever the data. The cost: a rank holds the whole model's parameters while it computes
-(sharded at rest: parameters, gradients and optimizer state, ZeRO-3-like between steps).
+How the model is sharded (``cluster.fsdp_unit``). FSDP2 gathers a unit's parameters in
+the unit's forward hook and reduces its gradients after its backward, so every rank must
+run the same sequence of unit calls, whatever its rows. Every rank runs the same number
+of micro-batches (empty ones are added where a rank has fewer), and each call of
+``base_model`` by the learner's forward code (trainer/forward.py) goes through the root's
+forward (``RootCall``), whose gathered parameters (embeddings, final norm, output layer)
+stay gathered until its backward.
+- ``"layer"`` (the default): each decoder layer is a unit of its own (the classes the
+  model lists as ``_no_split_modules``), gathered for its forward, sharded again after it,
+  gathered again for its backward. A rank holds one layer whole at a time besides the
+  root's parameters: what lets a model larger than one device's memory train. Whether
+  the forward code runs a common prefix apart (two calls of the base model, not one)
+  depends on each rank's rows, so the ranks agree on it before each forward (the
+  smallest prefix over the ranks: ``forward.agreed_prefix``): a prefix is run apart only
+  where every rank has one.
+- ``"model"``: the whole model is one unit, gathered once per micro-batch: fewer, larger
+  collectives, and a rank holds every parameter while it computes (sharded at rest only:
+  parameters, gradients and optimizer state, ZeRO-3-like between steps). The forward code
+  may then run a shared prefix apart: a second call in the same micro-batch gathers nothing.
+Passes without gradients whose calls depend on the data (the sampler gap, the critic's
+values) run with every unit gathered once first (``gathered``).
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ class RankSpec:
     num_threads: int  # torch's threads on this rank; 0: torch's default
     collective_timeout_s: float
     checkpoint_activations: bool = False  # model.gradient_checkpointing
+    fsdp_unit: str = "layer"  # cluster.fsdp_unit: "layer" or "model"
 
 
 class RootCall:
@@ -90,6 +101,14 @@ class RootCall:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._root, name)
 
+    def eval(self) -> RootCall:
+        self._root.eval()
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> RootCall:
+        self._root.requires_grad_(requires_grad)
+        return self
+
 
 @dataclass(frozen=True)
 class _BaseOutput:
@@ -102,6 +121,22 @@ class _BaseThroughRoot:
 
     def __init__(self, root: Any) -> None:
         self._root = root
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        if several and any(_is_unit(m) for name, m in root.named_modules() if name):
+            # Layers are units of their own, gathered at every call: the ranks agree on
+            # the calls (forward.agreed_prefix). One rank may make any: it runs the
+            # in-process learner's forward exactly.
+            self.agree_on_prefix = self._smallest_over_ranks
+
+    def _smallest_over_ranks(self, shared: int) -> int:
+        """The smallest ``shared`` of all ranks (a collective: every rank calls it); inside
+        ``gathered`` this rank's own (every unit is whole: calls gather nothing)."""
+        if self._root in _GATHERED:
+            return shared
+        device = next(self._root.parameters()).device
+        value = torch.tensor([shared], dtype=torch.long, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return int(value)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -143,13 +178,22 @@ class ShardedLearner(Learner):
     the critic's loss normaliser and its metrics take the whole batch's statistics."""
 
     def __init__(
-        self, root: Any, config: AlgorithmConfig, critic_trunk: Any = None, **kwargs: Any
+        self,
+        root: Any,
+        config: AlgorithmConfig,
+        critic_trunk: Any = None,
+        reference: Any = None,
+        **kwargs: Any,
     ) -> None:
         self.root = root
         self.critic_root = critic_trunk if critic_trunk is not None else root
         """The FSDP2 model the critic's values are computed through."""
+        self.reference_root = reference
+        """The KL reference, an FSDP2 model sharded as the policy is (None: no KL, or the
+        LoRA base)."""
         self._norms: Norms | None = None
-        super().__init__(RootCall(root), config, **kwargs)
+        ref = RootCall(reference) if reference is not None else None
+        super().__init__(RootCall(root), config, reference=ref, **kwargs)
 
     def make_critic(self, model: Any, config: AlgorithmConfig) -> ShardedCritic:
         trunk = RootCall(self.critic_root) if self.critic_root is not self.root else None
@@ -235,6 +279,15 @@ class ShardedLearner(Learner):
         finally:
             self._norms = None
         return combined_metrics(local, tokens, float(num_tokens), counts, self.device)
+
+    def _reference_logprobs(self, mb: Batch) -> torch.Tensor | None:
+        """The learner's, then the reference's root sharded again: FSDP2 keeps a root's
+        parameters after its forward for the backward, which a frozen model never runs."""
+        try:
+            return super()._reference_logprobs(mb)
+        finally:
+            if self.reference_root is not None:
+                self.reference_root.reshard()
 
     def _reduce(self, per_token: torch.Tensor, mask: torch.Tensor, norms: Norms) -> torch.Tensor:
         """The learner's reduction with the whole batch's normalisers, not this rank's."""
@@ -336,8 +389,9 @@ def combined_metrics(
 
 
 def build_learner(spec: RankSpec, rank: int, world: int) -> ShardedLearner:
-    """This rank's model under FSDP2 (one unit, gradients summed over ranks) and its
-    learner; with a KL in the loss, a frozen unsharded reference loaded the same way."""
+    """This rank's model under FSDP2 (``spec.fsdp_unit``'s units, gradients summed over
+    ranks) and its learner; with a KL, a frozen reference loaded and sharded the same way
+    (with LoRA the reference is the base: the policy with its adapters off)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
@@ -355,23 +409,71 @@ def build_learner(spec: RankSpec, rank: int, world: int) -> ShardedLearner:
         if trained is not None:
             if spec.checkpoint_activations:  # as in process: recomputed in the backward
                 checkpoint_activations(trained)
-            sharded(trained, mesh)
+            sharded(trained, mesh, spec.fsdp_unit)
+    if reference is not None:  # frozen, sharded like the policy: one layer whole at a time
+        sharded(reference.eval().requires_grad_(False), mesh, spec.fsdp_unit)
     return ShardedLearner(
         model, c, critic_trunk=trunk, temperature=spec.temperature, reference=reference,
         max_length=spec.max_length, autocast=spec.autocast,
     )  # fmt: skip
 
 
-def sharded(model: Any, mesh: Any) -> Any:
-    """``model`` under FSDP2 as one unit on ``mesh``, its gradients summed over ranks."""
+def sharded(model: Any, mesh: Any, unit: str = "layer") -> Any:
+    """``model`` under FSDP2 on ``mesh``, its gradients summed over ranks: each decoder
+    layer a unit and the rest the root's (``unit="layer"``), or the whole model one unit
+    (``"model"``)."""
     from torch.distributed.fsdp import fully_shard
 
+    if unit not in ("layer", "model"):
+        raise ValueError(f"fsdp unit must be 'layer' or 'model', got {unit!r}")
+    if unit == "layer":
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    # Each rank's loss already carries the whole batch's normaliser: sum, do not average.
-    # (Sum-only reductions: gloo has no pre-multiplied sum.)
-    model.set_gradient_divide_factor(1.0)
-    model.set_force_sum_reduction_for_comms(True)
+    for module in fsdp_units(model):  # per unit: neither setting recurses
+        # Each rank's loss already carries the whole batch's normaliser: sum, do not
+        # average. (Sum-only reductions: gloo has no pre-multiplied sum.)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The modules of ``model`` whose class it names in ``_no_split_modules`` (transformers'
+    list of the blocks that must stay whole: the decoder layers), outermost only."""
+    names = set(_no_split_modules(model))
+    found: list[tuple[str, Any]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+        # by the classes it derives from: fully_shard makes a subclass (FSDP<name>)
+        named = any(c.__name__ in names for c in type(module).__mro__)
+        if named and not inside:
+            found.append((name, module))
+    if not found:
+        raise ValueError(
+            f"cannot shard {type(model).__name__} layer by layer: it names no decoder "
+            "layer class (transformers' _no_split_modules); set cluster.fsdp_unit = 'model'"
+        )
+    return [module for _, module in found]
+
+
+def _no_split_modules(model: Any) -> list[str]:
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            return list(names)
+    return []
+
+
+def _is_unit(module: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_units(model: Any) -> list[Any]:
+    """``model``'s FSDP2 units, the root first (the same order on every rank)."""
+    return [m for m in model.modules() if _is_unit(m)]
 
 
 def load(source: ModelSource) -> Any:
@@ -381,13 +483,28 @@ def load(source: ModelSource) -> Any:
 
 
 def gathered(root: Any, fn: Callable[[], Any]) -> Any:
-    """``fn()`` with the FSDP2 model ``root``'s parameters gathered once on every rank
-    first (one collective for all ranks, whatever each then runs) and sharded again after."""
-    root.unshard()
+    """``fn()`` with every FSDP2 unit of ``root`` gathered once on every rank first (one
+    collective per unit, the same on all ranks, whatever each then runs), kept gathered
+    through ``fn``'s forwards, and sharded again after."""
+    units = fsdp_units(root)
+    inner = [m for m in units if m is not root]
+    _GATHERED.append(root)
+    for unit in inner:  # the root keeps its parameters after a forward anyway
+        unit.set_reshard_after_forward(False, recurse=False)
     try:
+        for unit in units:
+            unit.unshard()
         return fn()
     finally:
-        root.reshard()
+        _GATHERED.remove(root)
+        for unit in units:
+            unit.reshard()
+        for unit in inner:
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+_GATHERED: list[Any] = []
+"""The FSDP2 models ``gathered`` holds whole now (``in`` compares modules by identity)."""
 
 
 def full_state_dict(learner: ShardedLearner) -> dict[str, torch.Tensor]:
@@ -503,8 +620,12 @@ def sampler_gap(learner: ShardedLearner, samples: Sequence[Sample], pad_id: int)
 def reference_kl(
     learner: ShardedLearner, samples: Sequence[Sample], pad_id: int
 ) -> list[list[float]]:
-    # The reference is an unsharded copy on each rank: no collectives.
-    return learner.reference_kl(samples, pad_id) if samples else []
+    # Every rank gathers a sharded reference, with samples or not; scoring then runs
+    # no collectives of its own, however many micro-batches a rank has.
+    # (learner.reference_root is None with LoRA: the base is the policy, adapters off)
+    model = learner.reference_root if learner.reference_root is not None else learner.root
+    kl: list[list[float]] = gathered(model, lambda: learner.reference_kl(samples, pad_id))
+    return kl
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {

@@ -623,6 +623,11 @@ class ClusterConfig:
     ``LearnerGroup`` of N ranks under FSDP2 (gloo on a CPU, NCCL with one GPU per rank),
     whose update equals the in-process one within 1e-5. The engine samples in this
     process, loaded with the group's full weights after every update."""
+    fsdp_unit: Literal["layer", "model"] = "layer"
+    """How the learner ranks shard the model under FSDP2: each decoder layer a unit of its
+    own, gathered only while it computes (``layer``: a rank holds one layer whole at a
+    time, so a model larger than a device trains), or the whole model one unit (``model``:
+    fewer, larger collectives; every parameter whole on each rank while it computes)."""
     rollout_workers: int = 0
     """Inference engines with their environments: 0 samples in this process; N >= 1 runs
     the episodes on N Ray actors (a local Ray cluster, or ``address``'s), each a torch

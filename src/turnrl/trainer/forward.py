@@ -23,20 +23,44 @@ def common_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return min(length, input_ids.shape[1] - 1)
 
 
-def hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+def prefix_to_share(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """The common prefix of the rows that ``hidden_states`` would run once, apart: their
+    common prefix, or 0 when it is shorter than ``MIN_SHARED_PREFIX``, for a single row,
+    or in training with gradient checkpointing (which turns the prefix's cache off)."""
+    rows = input_ids.shape[0]
+    shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
+    recomputing = model.training and getattr(model.base_model, "gradient_checkpointing", False)
+    return 0 if shared < MIN_SHARED_PREFIX or recomputing else shared
+
+
+def agreed_prefix(model: Any, shared: int) -> int:
+    """``shared`` as agreed with the other processes that run this forward in step.
+
+    A model sharded layer by layer under FSDP2 gathers each layer at every call of its
+    base model, so every rank must call it as often: two calls (a shared prefix) only
+    where every rank runs one. Such a model's base model offers ``agree_on_prefix`` (the
+    smallest ``shared`` over the ranks: distributed/rank.py); any other model runs its own.
+    """
+    agree = getattr(model.base_model, "agree_on_prefix", None)
+    return int(agree(shared)) if agree is not None else shared
+
+
+def hidden_states(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int | None = None
+) -> Any:
     """The last hidden states [B, T, H] of right-padded rows.
 
     Rows of one batch usually share a long prefix (system prompt, tool list, often the
     whole question of a group). That prefix is run once with batch size 1 and its key/value
     cache is repeated for the rest of the rows, so the shared tokens cost one row instead
     of B; gradients flow back through the shared computation (equal to the plain forward to
-    float rounding — tested).
+    float rounding — tested). ``shared``: the prefix to run apart (0: none), a common prefix
+    of the rows; by default ``prefix_to_share``'s, as ``agreed_prefix`` settles it.
     """
     rows = input_ids.shape[0]
-    shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
-    # Gradient checkpointing in training turns the prefix's cache off: run rows whole.
-    recomputing = model.training and getattr(model.base_model, "gradient_checkpointing", False)
-    if shared < MIN_SHARED_PREFIX or recomputing:
+    if shared is None:
+        shared = agreed_prefix(model, prefix_to_share(model, input_ids, attention_mask))
+    if shared == 0:
         return model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
@@ -68,13 +92,10 @@ class PackedRows:
     index: torch.Tensor  # [B, T] long
 
 
-def padded_cost(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+def padded_cost(input_ids: torch.Tensor, shared: int) -> int:
     """Token positions ``hidden_states`` runs for right-padded rows: every cell, with a
-    common prefix run once instead of once per row."""
+    common prefix of ``shared`` tokens run once instead of once per row."""
     rows, width = input_ids.shape
-    shared = common_prefix_length(input_ids, attention_mask) if rows > 1 else 0
-    if shared < MIN_SHARED_PREFIX:
-        shared = 0
     return rows * width - (rows - 1) * shared
 
 
@@ -160,11 +181,14 @@ def token_logprobs(
     target[:, 0] = False  # the first token has no context to be predicted from
     b, t = target.nonzero(as_tuple=True)
     rows = None
+    shared = prefix_to_share(model, input_ids, attention_mask)
     if layout != "padded":
         plan = packing_plan([int(n) for n in attention_mask.sum(-1).tolist()])
         cells = len(plan[0]) * plan[2]
-        if layout == "packed" or cells < padded_cost(input_ids, attention_mask):
+        if layout == "packed" or cells < padded_cost(input_ids, shared):
             rows = pack_rows(input_ids, attention_mask, plan=plan)
+    # Packed rows are one call, as are padded rows without a shared prefix.
+    shared = agreed_prefix(model, 0 if rows is not None else shared)
     if rows is not None:
         # No attention mask and no cache: transformers then reads the sequence boundaries
         # from the restarting position ids and keeps attention within each sequence.
@@ -173,7 +197,7 @@ def token_logprobs(
         ).last_hidden_state.flatten(0, 1)  # [R * W, H]
         before = flat[rows.index[b, t - 1]]
     else:
-        before = hidden_states(model, input_ids, attention_mask)[b, t - 1]  # [N, H]
+        before = hidden_states(model, input_ids, attention_mask, shared)[b, t - 1]  # [N, H]
     logits = model.get_output_embeddings()(before).float() / temperature  # [N, V]
     logp_all = torch.log_softmax(logits, dim=-1)
     picked = logp_all.gather(-1, input_ids[b, t][:, None]).squeeze(-1)
