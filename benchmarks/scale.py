@@ -97,9 +97,43 @@ def save_model(directory: Path, hidden: int, layers: int, width: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-LEARNERS = ["in-process, 1 thread", "in-process, 2 threads", "1 rank", "2 ranks"]
+LEARNERS = [
+    "in-process, 1 thread", "in-process, 2 threads", "1 rank", "2 ranks", "2 ranks, one unit",
+]  # fmt: skip
 """What is timed: the in-process learner with 1 and with 2 torch threads, a group of 1
-rank (2 threads) and one of 2 ranks (1 thread each)."""
+rank (2 threads) and two of 2 ranks (1 thread each): each decoder layer an FSDP2 unit
+(``cluster.fsdp_unit = "layer"``, the default) and the whole model one unit (``"model"``)."""
+GROUPS = [("1 rank", 1, "layer"), ("2 ranks", 2, "layer"), ("2 ranks, one unit", 2, "model")]
+
+
+def whole_parameters(learner: Any, batch: list[Sample], advantages: list[float]) -> list[int]:
+    """On a rank: one update, and [the most bytes of parameters (policy and KL reference)
+    held whole when a decoder layer starts its forward, the bytes of this rank's shards]."""
+    from torch.distributed.tensor import DTensor
+
+    from turnrl.distributed.rank import decoder_layers
+
+    models = [m for m in (learner.root, learner.reference_root) if m is not None]
+
+    def nbytes(p: Any) -> int:
+        return int(p.numel() * p.element_size())
+
+    most = [0]
+
+    def count(module: Any, args: Any) -> None:
+        whole = sum(nbytes(p) for m in models for p in m.parameters() if not isinstance(p, DTensor))
+        most[0] = max(most[0], whole)
+
+    handles = [
+        layer.register_forward_pre_hook(count) for m in models for layer in decoder_layers(m)
+    ]
+    try:
+        learner.step_samples(batch, advantages, 0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    shards = sum(nbytes(p.to_local()) for m in models for p in m.parameters())
+    return [most[0], shards]
 
 
 def measure(directory: Path, batch: list[Sample], repeats: int) -> dict[str, Any]:
@@ -110,11 +144,12 @@ def measure(directory: Path, batch: list[Sample], repeats: int) -> dict[str, Any
     groups: dict[str, LearnerGroup] = {}
     start_s: dict[str, float] = {}
     try:
-        for name, n in (("1 rank", 1), ("2 ranks", 2)):
+        for name, n, unit in GROUPS:
             t0 = time.perf_counter()
             groups[name] = LearnerGroup(
-                directory, CONFIG, num_ranks=n, temperature=1.0, num_threads=2 // n
-            )
+                directory, CONFIG, num_ranks=n, temperature=1.0, num_threads=2 // n,
+                fsdp_unit=unit,
+            )  # fmt: skip
             start_s[name] = time.perf_counter() - t0
         step: dict[str, list[float]] = {name: [] for name in LEARNERS}
         gather: dict[str, list[float]] = {name: [] for name in groups}
@@ -137,6 +172,12 @@ def measure(directory: Path, batch: list[Sample], repeats: int) -> dict[str, Any
             if r:
                 for name, seconds in times.items():
                     step[name].append(seconds)
+        # Rank 0's figures (the ranks' are alike: the same batch on each, even shards).
+        whole = {
+            name: group.call(whole_parameters, batch, advantages)[0]
+            for name, group in groups.items()
+            if group.num_ranks > 1
+        }
     finally:
         for group in groups.values():
             group.close()
@@ -144,6 +185,8 @@ def measure(directory: Path, batch: list[Sample], repeats: int) -> dict[str, Any
         "step_s": {k: statistics.median(v) for k, v in step.items()},
         "gather_s": {k: statistics.median(v) for k, v in gather.items()},
         "start_s": start_s,
+        "whole_parameter_bytes": {k: v[0] for k, v in whole.items()},
+        "shard_bytes": {k: v[1] for k, v in whole.items()},
     }
 
 
@@ -304,25 +347,46 @@ def main() -> None:
         + " (other jobs share these cores: a learner with 2 threads suffers most).",
         "",
         "| model | parameters | step in-process 1 thread s | step in-process 2 threads s "
-        "| step 1 rank s | step 2 ranks s | gather 1 rank s | gather 2 ranks s "
-        "| start 1 rank s | start 2 ranks s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| step 1 rank s | step 2 ranks s | step 2 ranks, one unit s | gather 1 rank s "
+        "| gather 2 ranks s | gather 2 ranks, one unit s | start 1 rank s | start 2 ranks s "
+        "| start 2 ranks, one unit s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    groups = [name for name, _, _ in GROUPS]
     for r in rows:
         s, g, st = r["step_s"], r["gather_s"], r["start_s"]
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | "
             + " | ".join(f"{s[k]:.3f}" for k in LEARNERS)
-            + f" | {g['1 rank']:.4f} | {g['2 ranks']:.4f} "
-            f"| {st['1 rank']:.1f} | {st['2 ranks']:.1f} |"
+            + " | "
+            + " | ".join(f"{g[k]:.4f}" for k in groups)
+            + " | "
+            + " | ".join(f"{st[k]:.1f}" for k in groups)
+            + " |"
         )
     lines += [
         "",
-        "Gather: `LearnerGroup.full_state_dict()`, the whole weights from the FSDP2 shards "
+        '2 ranks: each decoder layer an FSDP2 unit (`cluster.fsdp_unit = "layer"`, the '
+        'default); one unit: the whole model (`"model"`). Gather: '
+        "`LearnerGroup.full_state_dict()`, the whole weights from the FSDP2 shards "
         "to the driver's CPU memory (the first half of a weight sync; the broadcast to "
         "engines is not measured here). Start: spawning the ranks, importing, loading the "
         "model and sharding it.",
+        "",
+        "Parameters held whole by a rank, at most, when a decoder layer starts its forward "
+        "during a step (rank 0; the root's embeddings and output layer count in both), "
+        "against its shards of them:",
+        "",
+        "| model | parameters MB | 2 ranks: most whole MB | 2 ranks, one unit: most whole MB "
+        "| shards per rank MB |",
+        "|---|---|---|---|---|",
     ]
+    for r in rows:
+        w, mb = r["whole_parameter_bytes"], 2**20
+        lines.append(
+            f"| {r['model']} | {r['params'] * 4 / mb:.1f} | {w['2 ranks'] / mb:.1f} "
+            f"| {w['2 ranks, one unit'] / mb:.1f} | {r['shard_bytes']['2 ranks'] / mb:.1f} |"
+        )
     if asynchronous:
         a = asynchronous
         lines += [

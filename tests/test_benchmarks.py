@@ -256,12 +256,16 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     (row,) = data["rows"]
     assert row["model"] == "tiny (64 x 2)"
     assert row["params"] > 0
-    assert set(row["step_s"]) == {
-        "in-process, 1 thread", "in-process, 2 threads", "1 rank", "2 ranks",
-    }  # fmt: skip
-    assert set(row["gather_s"]) == set(row["start_s"]) == {"1 rank", "2 ranks"}
+    groups = {"1 rank", "2 ranks", "2 ranks, one unit"}
+    assert set(row["step_s"]) == {"in-process, 1 thread", "in-process, 2 threads", *groups}
+    assert set(row["gather_s"]) == set(row["start_s"]) == groups
     for times in (row["step_s"], row["gather_s"], row["start_s"]):
         assert all(s > 0 for s in times.values())
+    whole, params = row["whole_parameter_bytes"], row["params"] * 4
+    assert set(whole) == set(row["shard_bytes"]) == {"2 ranks", "2 ranks, one unit"}
+    # one unit: every parameter whole while computing; layer units: less
+    assert whole["2 ranks, one unit"] == params
+    assert row["shard_bytes"]["2 ranks"] < whole["2 ranks"] < params
     a = data["async"]
     assert a["k0"]["timed_steps"] == a["k1"]["timed_steps"] >= 1
     assert a["ratio"] == pytest.approx(a["k1"]["step_s"] / a["k0"]["step_s"])
