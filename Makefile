@@ -95,6 +95,10 @@ typecheck: setup
 # cores; beside the main suite on 2 cores one took 3x as long) and the vLLM tests in
 # .venv-vllm, its learning test last (tests/test_vllm_learning.py, about 10 minutes alone).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+# Set-up and static checks first, as parallel jobs (the virtualenvs' installs wait on disk and
+# network more than on the CPU): .venv and .venv-vllm together, then the checks, apt's
+# packages and TRL's virtualenv beside what is left of them.
+checks: lint typecheck setup-test setup-vllm setup-trl
 VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py \
 	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py tests/test_vllm_learning.py
 test:
