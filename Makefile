@@ -26,7 +26,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm setup-trl checks demo test test-learning test-vllm test-vllm-learning lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm setup-trl checks demo test test-vllm-learning lint typecheck unit learning-proof lock test-latest clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -89,35 +89,28 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 # The main suite runs on a pytest-xdist worker per core (at most 4), each taking whole test
-# files (module fixtures are built once; TEST_WORKERS=0 runs it in this process); then,
-# alone, the `serial` tests (they check machine-wide state that another test process may
-# change); then two lanes side by side: the learning tests in .venv (each uses several
-# cores; beside the main suite on 2 cores one took 3x as long) and the vLLM tests in
-# .venv-vllm, its learning test last (tests/test_vllm_learning.py, about 10 minutes alone).
+# files (module fixtures are built once; TEST_WORKERS=0 runs it in this process); then, one
+# at a time with the machine to themselves, the learning tests (each uses several cores, and
+# beside other tests on 2 cores one took 3x as long) and the `serial` ones (they check
+# machine-wide state that another test process may change); then the vLLM tests in
+# .venv-vllm on a CPU machine (on a GPU one .venv has turnrl[vllm] and runs them).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py \
+	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py
 # Set-up and static checks first, as parallel jobs (the virtualenvs' installs wait on disk and
 # network more than on the CPU): .venv and .venv-vllm together, then the checks, apt's
 # packages and TRL's virtualenv beside what is left of them.
 checks: lint typecheck setup-test setup-vllm setup-trl
-VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py \
-	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py tests/test_vllm_learning.py
 test:
 	$(MAKE) --no-print-directory -j4 -Otarget checks
 	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
-	$(VENV)/bin/pytest -q -m serial
-	$(MAKE) --no-print-directory -j2 -Otarget test-learning test-vllm
+	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m vllm $(VLLM_TESTS))
 
-# The learning tests (with a GPU, the vLLM one too: turnrl[vllm] is in .venv there).
-test-learning: setup-test
-	$(VENV)/bin/pytest -q --durations=5 -m "learning and not serial"
-
-# The vLLM tests in their own virtualenv on a CPU machine (on a GPU one the main suite and
-# test-learning run them in .venv).
-test-vllm: setup-test setup-vllm
-	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q --durations=5 -p no:cacheprovider -m vllm $(VLLM_TESTS))
-
-# The vLLM learning test alone (tests/test_vllm_learning.py): the probe learns with every
-# episode sampled by vLLM. In .venv-vllm on a CPU machine, in .venv on a GPU one.
+# The vLLM learning test (tests/test_vllm_learning.py): the probe learns with every episode
+# sampled by vLLM, about 10 minutes on 2 cores, so `make test` leaves it out (run beside the
+# learning tests on 2 cores, both lanes crawled: over 17 minutes and neither done). In
+# .venv-vllm on a CPU machine, in .venv (with turnrl[vllm]) on a GPU one.
 test-vllm-learning: setup-test setup-vllm
 	$(if $(HAS_GPU),$(VENV),$(VLLM_VENV))/bin/pytest -q -p no:cacheprovider tests/test_vllm_learning.py
 

@@ -5,7 +5,7 @@ weights are replaced in place after every update.
 The quick-start's model with 2 heads instead of 4 (vLLM's CPU attention needs heads of at
 least 32 dimensions), seed 0, one torch thread (the learner's float rounding depends on the
 thread count; vLLM's CPU engine serves on one). Measured on the 2-core CPU: held-out success
-0.08 at the start, 0.83 at step 190. Runs in .venv-vllm (`make test` runs it there) and
+0.08 at the start, 0.83 at step 190. Runs in .venv-vllm (`make test-vllm-learning` runs it there) and
 skips where vLLM is not installed.
 """
 

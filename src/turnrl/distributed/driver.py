@@ -21,10 +21,12 @@ PPO's critic (``advantage = "gae"``) trains on the ranks too: its state is read 
 written in the in-process layout (``GroupCritic``), so checkpoints stay interchangeable.
 
 LoRA: every rank puts the same adapters on the start policy and loads the driver's fresh
-adapter weights; FSDP2 shards the frozen base with them, and only the adapters train.
+adapter weights; FSDP2 shards the frozen base with them, and only the adapters train. A
+critic beside them: a value head, or a value model that starts as the driver's policy
+(adapters included) and trains its own adapters, as in process.
 
-Not here yet: GPUs for the rollout workers, a weight broadcast other than through Ray's
-object store, and a critic beside LoRA adapters on the learner group.
+Not here yet: GPUs for the rollout workers, and a weight broadcast other than through
+Ray's object store.
 """
 
 from __future__ import annotations
@@ -124,17 +126,6 @@ def check_supported(config: Config) -> None:
             "rollout workers sample on CPUs only so far; set model.device = 'cpu' or "
             "cluster.rollout_workers = 0"
         )
-    ranks = config.cluster.learner_ranks
-    if ranks == 0:
-        return
-    where = f"cluster.learner_ranks = {ranks}"
-    instead = "set cluster.learner_ranks = 0 (in process) or"
-    if config.model.lora.rank > 0 and config.algorithm.advantage == "gae":
-        raise ConfigError(
-            f"model.lora.rank = {config.model.lora.rank} and algorithm.advantage = 'gae' "
-            f"with {where}: the learner group does not train a critic beside LoRA adapters "
-            f"yet; {instead} model.lora.rank = 0"
-        )
 
 
 def resumable(exc: LearnerRankError, run_dir: Path) -> LearnerRankError:
@@ -173,8 +164,8 @@ class GroupLearner:
     @classmethod
     def start(cls, spec: LearnerSpec) -> GroupLearner:
         """Start ``cluster.learner_ranks`` ranks. Each loads the start policy (and from it
-        the KL reference, unsharded); on a resume the checkpoint's weights and optimizer
-        state follow through ``optimizer.load_state_dict``, as in process."""
+        the KL reference, sharded the same way); on a resume the checkpoint's weights and
+        optimizer state follow through ``optimizer.load_state_dict``, as in process."""
         c = spec.config
         device = "cuda" if next(spec.model.parameters()).device.type == "cuda" else "cpu"
         source: Callable[[], Any] = functools.partial(
@@ -198,7 +189,10 @@ class GroupLearner:
         except ValueError as exc:  # e.g. fewer GPUs than ranks
             raise ConfigError(f"cluster.learner_ranks = {c.cluster.learner_ranks}: {exc}") from exc
         if lo.rank > 0 and not spec.resumed:  # the driver's fresh adapters, not the ranks' own
-            group.load_weights(spec.model.state_dict())
+            weights = spec.model.state_dict()
+            group.load_weights(weights)
+            if c.algorithm.advantage == "gae" and c.algorithm.critic.placement == "model":
+                group.load_critic_weights(weights)  # the value model starts as the policy
         return cls(group, spec.model)
 
     def step_samples(

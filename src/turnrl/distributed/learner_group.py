@@ -219,6 +219,12 @@ class LearnerGroup:
         the optimizer's state is left as it is."""
         self._call("load_weights", [(weights,)] * self.num_ranks)
 
+    def load_critic_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load whole model weights into every rank's shard of PPO's separate value model
+        (``critic.placement = "model"``): a fresh LoRA run's value model starts as the
+        driver's policy, adapters included, as the in-process critic's copy does."""
+        self._call("load_critic_weights", [(weights,)] * self.num_ranks)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, whole (not sharded): ``{"model": weights,
         "optimizer": state}``, the optimizer's state keyed by parameter name (the format of

@@ -553,6 +553,16 @@ def load_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor]) -> N
     set_model_state_dict(learner.root, cast(dict[str, Any], weights), options=options)
 
 
+def load_critic_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor]) -> None:
+    """Whole weights into this rank's shard of the separate value model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if learner.critic_root is learner.root:
+        raise ValueError("the critic has no value model of its own (critic.placement = 'head')")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(learner.critic_root, cast(dict[str, Any], weights), options=options)
+
+
 def critic_state_dict(learner: ShardedLearner) -> dict[str, Any]:
     """The critic's state whole, in the one-process ``Critic.state_dict`` layout (the head,
     its optimizer's state by parameter index and, for a separate value model, the trunk),
@@ -637,6 +647,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
         samples, rewards, pad_id
     ),
     "load_weights": lambda learner, weights: load_weights(learner, weights),
+    "load_critic_weights": lambda learner, weights: load_critic_weights(learner, weights),
     "critic_state_dict": lambda learner: critic_state_dict(learner),
     "load_critic_state_dict": lambda learner, state: load_critic_state_dict(learner, state),
     "sampler_gap": sampler_gap,
