@@ -24,6 +24,28 @@ from turnrl.trainer.config import WarmupConfig
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 
 
+class Reached(Exception):
+    """The held-out success reached the bar: a learning test's run has shown what it had
+    to, and stops."""
+
+
+class UntilSuccess:
+    """A run's ``on_row``: keeps every row and the evaluation curve (step, held-out
+    success), and raises ``Reached`` at the first evaluation at or above ``bar``."""
+
+    def __init__(self, bar: float) -> None:
+        self.bar = bar
+        self.rows: list[dict[str, float]] = []
+        self.curve: list[tuple[int, float]] = []
+
+    def __call__(self, row: dict[str, float]) -> None:
+        self.rows.append(row)
+        if "eval/success_mean" in row:
+            self.curve.append((int(row["step"]), row["eval/success_mean"]))
+            if row["eval/success_mean"] >= self.bar:
+                raise Reached
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (``make test`` runs a worker per core), each worker's torch gets
     its share of the cores: a worker per core each running torch on every core would

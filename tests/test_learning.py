@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import Reached, UntilSuccess
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
-
-
-class Reached(Exception):
-    """The held-out success reached the bar: the run has shown what it had to."""
 
 
 @pytest.mark.learning
@@ -37,21 +34,12 @@ def test_rl_learns_the_secret_lookup_probe(tmp_path: Path) -> None:
             "eval.num_tasks=64",
         ],
     )
-    rows: list[dict[str, float]] = []
-    curve: list[tuple[int, float]] = []
-
-    def on_row(row: dict[str, float]) -> None:
-        rows.append(row)
-        if "eval/success_mean" in row:
-            curve.append((int(row["step"]), row["eval/success_mean"]))
-            if row["eval/success_mean"] >= 0.8:
-                raise Reached
-
+    run = UntilSuccess(0.8)
     with pytest.raises(Reached):
-        train(config, tmp_path / "run", progress=False, on_row=on_row)
-    assert curve[0][1] <= 0.2, curve  # after the warm-up: about chance, 1 in 12
+        train(config, tmp_path / "run", progress=False, on_row=run)
+    assert run.curve[0][1] <= 0.2, run.curve  # after the warm-up: about chance, 1 in 12
     # the tool is called with the right key and its value copied
-    assert rows[-1]["rollout/tool_calls_mean"] > 0.9
+    assert run.rows[-1]["rollout/tool_calls_mean"] > 0.9
 
 
 @pytest.mark.learning
@@ -71,14 +59,7 @@ def test_the_probe_learns_on_two_rollout_workers_and_two_learner_ranks(tmp_path:
             "cluster.rollout_workers=2", "cluster.learner_ranks=2",
         ],
     )  # fmt: skip
-    curve: list[tuple[int, float]] = []
-
-    def on_row(row: dict[str, float]) -> None:
-        if "eval/success_mean" in row:
-            curve.append((int(row["step"]), row["eval/success_mean"]))
-            if row["eval/success_mean"] >= 0.8:
-                raise Reached
-
+    run = UntilSuccess(0.8)
     with pytest.raises(Reached):
-        train_anywhere(config, out=tmp_path / "run", progress=False, on_row=on_row)
-    assert curve[0][1] <= 0.2, curve  # it started from about chance
+        train_anywhere(config, out=tmp_path / "run", progress=False, on_row=run)
+    assert run.curve[0][1] <= 0.2, run.curve  # it started from about chance

@@ -17,14 +17,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
+from conftest import Reached, UntilSuccess
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.learning]
-
-
-class Reached(Exception):
-    """The held-out success reached the bar: the run has shown what it had to."""
 
 
 def test_the_probe_learns_with_vllm_sampling_every_episode(tmp_path: Path) -> None:
@@ -36,18 +33,10 @@ def test_the_probe_learns_with_vllm_sampling_every_episode(tmp_path: Path) -> No
             "save_every=1000", "eval.every=10", "eval.num_tasks=64",
         ],
     )  # fmt: skip
-    curve: list[tuple[int, float]] = []
-    rows: list[dict[str, float]] = []
-
-    def on_row(row: dict[str, float]) -> None:
-        rows.append(row)
-        if "eval/success_mean" in row:
-            curve.append((int(row["step"]), row["eval/success_mean"]))
-            if row["eval/success_mean"] >= 0.8:
-                raise Reached
-
+    run = UntilSuccess(0.8)
     with pytest.raises(Reached):
-        train(config, tmp_path / "run", progress=False, on_row=on_row)
+        train(config, tmp_path / "run", progress=False, on_row=run)
+    curve, rows = run.curve, run.rows
     assert curve[0][1] <= 0.2, curve  # it started from about chance (1 in 12)
     trained = [r for r in rows if "train/logprob_mismatch_max" in r]
     assert len(trained) == curve[-1][0]  # every step was sampled by vLLM and trained on
