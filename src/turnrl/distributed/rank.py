@@ -26,8 +26,8 @@ stay gathered until its backward.
   collectives, and a rank holds every parameter while it computes (sharded at rest only:
   parameters, gradients and optimizer state, ZeRO-3-like between steps). The forward code
   may then run a shared prefix apart: a second call in the same micro-batch gathers nothing.
-Passes without gradients whose calls depend on the data (the sampler gap, the critic's
-values) run with every unit gathered once first (``gathered``).
+Passes without gradients whose calls depend on the data (the sampler gap, a KL in the
+reward, the critic's values) run with every unit gathered once first (``gathered``).
 """
 
 from __future__ import annotations
@@ -489,9 +489,9 @@ def gathered(root: Any, fn: Callable[[], Any]) -> Any:
     units = fsdp_units(root)
     inner = [m for m in units if m is not root]
     _GATHERED.append(root)
-    for unit in inner:  # the root keeps its parameters after a forward anyway
-        unit.set_reshard_after_forward(False, recurse=False)
     try:
+        for unit in inner:  # the root keeps its parameters after a forward anyway
+            unit.set_reshard_after_forward(False, recurse=False)
         for unit in units:
             unit.unshard()
         return fn()
