@@ -26,7 +26,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm setup-trl checks demo test suite learning-lane vllm-lane lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm setup-trl checks demo test learning-lane vllm-learning-lane lint typecheck unit learning-proof lock test-latest clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -88,33 +88,33 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# `make test` in two phases of parallel make jobs (-Otarget: each job's output appears
-# whole, when it ends).
-# 1. Set-up, static checks and the main suite. The suite runs on a pytest-xdist worker per
-#    core (at most 4), each taking whole test files (module fixtures are built once;
-#    TEST_WORKERS=0 runs it in this process), as soon as .venv, apt's packages and TRL's
-#    virtualenv are there; .venv-vllm's install (disk and network more than CPU), lint and
-#    mypy run beside it.
-# 2. Two lanes side by side, every test in them on one torch thread: the learning tests
-#    and the `serial` ones (they check machine-wide state that another test process of the
-#    suite may change) in .venv; the vLLM tests, their learning test last, in .venv-vllm on
-#    a CPU machine (on a GPU one .venv has turnrl[vllm] and runs them in the first lane).
+# `make test`, in three phases:
+# 1. Set-up and static checks, as parallel make jobs (-Otarget: each job's output appears
+#    whole, when it ends): .venv and .venv-vllm together, then lint, format, import layers,
+#    mypy, apt's packages and TRL's virtualenv beside what is left of them. (Starting the
+#    suite beside the installs gained nothing on 2 cores: they need the CPU too.)
+# 2. The main suite on a pytest-xdist worker per core (at most 4), each taking whole test
+#    files (module fixtures are built once; TEST_WORKERS=0 runs it in this process).
+# 3. Two lanes side by side, each test in them on one torch thread: in .venv the learning
+#    tests and the `serial` ones (they check machine-wide state that another test process
+#    of the suite may change), then the vLLM tests in .venv-vllm; beside them the vLLM
+#    learning test in .venv-vllm (on a CPU machine; on a GPU one .venv has turnrl[vllm] and
+#    runs all of them in the first lane).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py \
-	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py tests/test_vllm_learning.py
+	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py
 checks: lint typecheck setup-test setup-vllm setup-trl
 test:
-	$(MAKE) --no-print-directory -j8 -Otarget checks suite
-	$(MAKE) --no-print-directory -j2 -Otarget learning-lane vllm-lane
-
-suite: setup-test setup-trl
+	$(MAKE) --no-print-directory -j4 -Otarget checks
 	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
+	$(MAKE) --no-print-directory -j2 -Otarget learning-lane vllm-learning-lane
 
-learning-lane: setup-test
+learning-lane: setup-test setup-vllm
 	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"
-
-vllm-lane: setup-vllm
 	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q --durations=5 -p no:cacheprovider -m vllm $(VLLM_TESTS))
+
+vllm-learning-lane: setup-vllm
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q --durations=5 -p no:cacheprovider tests/test_vllm_learning.py)
 
 unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"

@@ -118,16 +118,19 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     assert main(["config", "show", "--set", "cluster.learner_ranks=2"]) == 0
     out = capsys.readouterr().out
     assert tomllib.loads(out)["cluster"] == {
-        "learner_ranks": 2, "fsdp_unit": "layer", "rollout_workers": 0,
-        "worker_timeout_s": 900.0, "address": "",
+        "learner_ranks": 2, "fsdp_unit": "layer", "learner_placement": "local",
+        "rollout_workers": 0, "worker_timeout_s": 900.0, "address": "",
     }  # fmt: skip
     assert "rollout_workers = 0  # Inference engines with their environments: 0 samples" in out
     assert load_config(None, ["cluster.rollout_workers=2"]).cluster.rollout_workers == 2
     warned = inert_settings(load_config(None, ["cluster.address=ray://head:10001"]))
     assert warned == [
         "cluster.address = 'ray://head:10001' has no effect: only rollout workers "
-        "(cluster.rollout_workers >= 1) join a Ray cluster"
+        "(cluster.rollout_workers >= 1) and learner ranks placed by Ray "
+        "(cluster.learner_placement = 'ray') join a Ray cluster"
     ]
+    placed = ["cluster.address=auto", "cluster.learner_ranks=2", "cluster.learner_placement=ray"]
+    assert inert_settings(load_config(None, placed)) == []
     for key in ("learner_ranks", "rollout_workers"):
         with pytest.raises(ConfigError, match=rf"cluster\.{key} must be >= 0"):
             load_config(None, [f"cluster.{key}=-1"])

@@ -324,7 +324,7 @@ def test_closed_ranks_leave_the_group_cleanly(tiny_model_dir: Path) -> None:
     """``close`` asks each rank to leave: every rank process exits with status 0 (not
     killed, not failed), well before the close deadline."""
     group = LearnerGroup(tiny_model_dir, CONFIG, num_ranks=2, temperature=TEMPERATURE)
-    processes = list(group._processes)
+    processes = list(group._ranks._processes)  # type: ignore[attr-defined]
     started = time.monotonic()
     group.close()
     assert time.monotonic() - started < 5.0

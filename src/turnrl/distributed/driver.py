@@ -184,7 +184,8 @@ class GroupLearner:
                 device=device, autocast=spec.autocast, timeout_s=CALL_TIMEOUT_S,
                 seed=c.seed, num_threads=c.threads,
                 checkpoint_activations=c.model.gradient_checkpointing,
-                fsdp_unit=c.cluster.fsdp_unit,
+                fsdp_unit=c.cluster.fsdp_unit, placement=c.cluster.learner_placement,
+                address=c.cluster.address, min_cpus=c.cluster.rollout_workers,
             )  # fmt: skip
         except ValueError as exc:  # e.g. fewer GPUs than ranks
             raise ConfigError(f"cluster.learner_ranks = {c.cluster.learner_ranks}: {exc}") from exc

@@ -1,9 +1,11 @@
 """The LearnerGroup: N learner ranks under FSDP2, driven like the in-process ``Learner``.
 
-The group starts its ranks itself (processes, ``torch.multiprocessing`` spawn), joins them
-with a rendezvous on a free local port (a ``TCPStore`` the driver holds) and talks to each
-over a queue (calls) and a pipe (answers), in pickles that hold their tensors' data
-(wire.py). gloo on the CPU, NCCL on GPUs (one per rank).
+The group starts its ranks itself and joins them with a rendezvous on a free port (a
+``TCPStore`` the driver holds). Where they run (``placement``): processes of the driver on
+its machine (``LocalRanks``: ``torch.multiprocessing`` spawn, each called over a queue and
+answering over a pipe), or Ray actors anywhere in a Ray cluster (``"ray"``: ray_ranks.py).
+Calls and answers are pickles that hold their tensors' data (wire.py). gloo on the CPU,
+NCCL on GPUs (one per rank).
 Each call splits its batch across the ranks; every rank runs the ``Learner``'s update on its
 shard, normalised by the whole batch's counts (rank.py), so the update equals the one the
 in-process learner makes from the whole batch.
@@ -14,8 +16,8 @@ stops all its ranks (none is left behind) and refuses further calls: a step half
 some ranks cannot be continued, only restarted from a checkpoint (``state_dict``).
 
 A LoRA model (``model`` returning one) trains only its adapters; the frozen base is
-sharded with them. What is not here yet: Ray actors, several nodes, weight broadcast to
-rollout workers (the driver gets the full weights, ``full_state_dict``).
+sharded with them. What is not here yet: a weight broadcast to the rollout workers (the
+driver gets the full weights, ``full_state_dict``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,9 @@ class LearnerGroup:
     recomputes its layers' activations in the backward (``model.gradient_checkpointing``).
     ``fsdp_unit``: ``"layer"`` shards each decoder layer as an FSDP2 unit of its own (a rank
     holds one layer whole at a time), ``"model"`` the whole model as one (rank.py).
+    ``placement``: ``"local"`` (processes of this one) or ``"ray"`` (Ray actors on the
+    cluster at ``address``, "" a local one; ``min_cpus``: the one-CPU actors a local
+    cluster started here must also hold, the run's rollout workers).
     Use as a context manager, or call ``close``.
     """
 
@@ -93,12 +98,18 @@ class LearnerGroup:
         num_threads: int = 0,
         checkpoint_activations: bool = False,
         fsdp_unit: str = "layer",
+        placement: str = "local",
+        address: str = "",
+        min_cpus: int = 0,
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if placement not in ("local", "ray"):
+            raise ValueError(f"placement must be 'local' or 'ray', got {placement!r}")
         self.num_ranks = num_ranks
         self.config = config
-        self.device = _chosen_device(device, num_ranks)
+        self.placement = placement
+        self.device = _chosen_device(device, num_ranks, local=placement == "local")
         self.timeout_s = timeout_s
         """The deadline of each call, in seconds (may be changed between calls)."""
         self._closed = False
@@ -113,28 +124,13 @@ class LearnerGroup:
             collective_timeout_s=timeout_s + 60.0,
             checkpoint_activations=checkpoint_activations, fsdp_unit=fsdp_unit,
         )  # fmt: skip
-        # The rendezvous: a store on a free port (the OS picks it), held here.
-        self._store = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False
-        )
-        address = ("127.0.0.1", int(self._store.port))
-        ctx = mp.get_context("spawn")
-        self._commands: list[Any] = []
-        self._answers: list[Connection] = []
-        self._processes: list[Any] = []
-        for rank in range(num_ranks):
-            commands = ctx.Queue()
-            answers, answer_end = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=serve, name=f"turnrl-learner-rank{rank}", daemon=True,
-                args=(rank, num_ranks, address, spec, commands, answer_end, os.getpid()),
-            )  # fmt: skip
-            process.start()
-            answer_end.close()
-            self._commands.append(commands)
-            self._answers.append(answers)
-            self._processes.append(process)
-        self._finalizer = weakref.finalize(self, _kill, list(self._processes))
+        self._ranks: Ranks
+        if placement == "local":
+            self._ranks = LocalRanks(spec, num_ranks)
+        else:
+            from turnrl.distributed.ray_ranks import RayRanks
+
+            self._ranks = RayRanks(spec, num_ranks, address=address, min_cpus=min_cpus)
         self._await("start", start_timeout_s)
 
     # ------------------------------------------------------------------ the learner's calls
@@ -250,12 +246,7 @@ class LearnerGroup:
         if self._closed:
             return
         self._closed = True
-        for commands in self._commands:
-            commands.put(wire.encode(("close", ())))
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        self._release()
+        self._ranks.close(CLOSE_TIMEOUT_S)
 
     def __enter__(self) -> LearnerGroup:
         return self
@@ -271,7 +262,7 @@ class LearnerGroup:
     @property
     def pids(self) -> list[int]:
         """The ranks' process ids, in rank order."""
-        return [int(p.pid) for p in self._processes]
+        return self._ranks.pids()
 
     # ----------------------------------------------------------------------- internals
 
@@ -282,9 +273,9 @@ class LearnerGroup:
         self._calls[kind] += 1
         label = f"{name} {self._calls[kind]}" if kind == name else name
         command = name if kind != "call" else "call"
-        for commands, rank_args in zip(self._commands, args, strict=True):
-            # a feeder thread writes: never blocks here; bytes: tensors by value (wire.py)
-            commands.put(wire.encode((command, rank_args)))
+        for rank, rank_args in enumerate(args):
+            # bytes: tensors by value (wire.py); never blocks here
+            self._ranks.send(rank, wire.encode((command, rank_args)))
         return self._await(label, self.timeout_s)
 
     def _await(self, label: str, timeout_s: float) -> list[Any]:
@@ -299,58 +290,148 @@ class LearnerGroup:
                 late = sorted(pending)
                 who = f"rank {late[0]}" if len(late) == 1 else f"ranks {_listed(late)}"
                 self._fail(f"{who} did not answer {label} within {timeout_s:g} s", late, label)
-            sentinels = [p.sentinel for p in self._processes]
-            ready = wait([self._answers[r] for r in sorted(pending)] + sentinels, remaining)
-            for rank in sorted(pending):
-                if self._answers[rank] not in ready:
-                    continue
-                try:
-                    status, value = wire.decode(self._answers[rank].recv_bytes())
-                except (EOFError, OSError):
-                    break  # the rank is gone: its death is reported below
+            for rank, (status, value) in self._ranks.answers(sorted(pending), remaining):
                 if status == "error":
                     self._rank_failed(rank, value, label)
                 results[rank] = value
                 pending.discard(rank)
-            dead = self._dead()
+            dead = self._ranks.dead()
             if dead:
                 self._fail(self._deaths(dead, label), dead, label)
         return [results[r] for r in range(self.num_ranks)]
 
     def _rank_failed(self, rank: int, text: str, label: str) -> None:
         """A rank raised: name a rank that died meanwhile as the cause, else this one."""
-        others = [p.sentinel for r, p in enumerate(self._processes) if r != rank]
-        wait(others, FAILURE_GRACE_S)  # the reporting rank may exit itself: not a cause
-        dead = [r for r in self._dead() if r != rank]
+        others = [r for r in range(self.num_ranks) if r != rank]
+        self._ranks.await_deaths(others, FAILURE_GRACE_S)  # the reporting rank may exit itself
+        dead = [r for r in self._ranks.dead() if r != rank]
         last = text.strip().splitlines()[-1] if text.strip() else "an error"
         if dead:
             message = f"{self._deaths(dead, label)}; rank {rank} then failed: {last}"
             self._fail(message, dead, label)
         self._fail(f"rank {rank} failed in {label}: {last}\n{text}", [rank], label)
 
-    def _dead(self) -> list[int]:
-        """The ranks whose process has ended. A process's sentinel is ready a moment before
-        it can be reaped: those are joined (briefly), so that their exit code is known."""
+    def _deaths(self, dead: list[int], label: str) -> str:
+        return "; ".join(f"rank {r} died ({self._ranks.death(r)}) during {label}" for r in dead)
+
+    def _fail(self, message: str, ranks: Sequence[int], label: str) -> None:
+        """Stop every rank (a failed step cannot be continued) and raise."""
+        self._closed = True
+        self._ranks.kill()
+        raise LearnerRankError(message, ranks=ranks, call=label)
+
+
+class Ranks(Protocol):
+    """Where a group's ranks run and how the driver reaches them: processes of this one
+    (``LocalRanks``) or Ray actors (ray_ranks.py). Every rank first answers its start."""
+
+    def send(self, rank: int, payload: bytes) -> None:
+        """Send ``rank`` a call (``wire``-encoded (name, args)); never blocks long."""
+
+    def answers(self, ranks: Sequence[int], timeout_s: float) -> list[tuple[int, Any]]:
+        """The (rank, (status, value)) answers of ``ranks`` that are in, waiting up to
+        ``timeout_s`` for the first; none when the time is up or a rank died."""
+        ...
+
+    def dead(self) -> list[int]:
+        """The ranks that are gone."""
+        ...
+
+    def death(self, rank: int) -> str:
+        """How ``rank`` died: "exit code -9"."""
+        ...
+
+    def await_deaths(self, ranks: Sequence[int], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for any of ``ranks`` to be found dead."""
+
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        ...
+
+    def close(self, timeout_s: float) -> None:
+        """Ask every rank to leave, wait up to ``timeout_s``, then stop any left."""
+
+    def kill(self) -> None:
+        """Stop every rank now (none outlives the group) and release what is held."""
+
+
+class LocalRanks:
+    """The ranks as processes of this one (``torch.multiprocessing`` spawn) on this
+    machine, joined through a store on a free local port (held here), each called over a
+    queue and answering over a pipe. A rank exits with the driver's process."""
+
+    def __init__(self, spec: RankSpec, num_ranks: int) -> None:
+        # The rendezvous: a store on a free port (the OS picks it), held here.
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False
+        )
+        address = ("127.0.0.1", int(self._store.port))
+        ctx = mp.get_context("spawn")
+        self._commands: list[Any] = []
+        self._answers: list[Connection] = []
+        self._processes: list[Any] = []
+        for rank in range(num_ranks):
+            commands = ctx.Queue()
+            answers, answer_end = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=serve, name=f"turnrl-learner-rank{rank}", daemon=True,
+                args=(rank, num_ranks, address, spec, commands, answer_end, os.getpid()),
+            )  # fmt: skip
+            process.start()
+            answer_end.close()
+            self._commands.append(commands)
+            self._answers.append(answers)
+            self._processes.append(process)
+        self._finalizer = weakref.finalize(self, _kill, list(self._processes))
+        self._released = False
+
+    def send(self, rank: int, payload: bytes) -> None:
+        self._commands[rank].put(payload)  # a feeder thread writes it
+
+    def answers(self, ranks: Sequence[int], timeout_s: float) -> list[tuple[int, Any]]:
+        sentinels = [p.sentinel for p in self._processes]
+        ready = wait([self._answers[r] for r in ranks] + sentinels, timeout_s)
+        got = []
+        for rank in ranks:
+            if self._answers[rank] not in ready:
+                continue
+            try:
+                got.append((rank, wire.decode(self._answers[rank].recv_bytes())))
+            except (EOFError, OSError):
+                break  # the rank is gone: its death is found by ``dead``
+        return got
+
+    def dead(self) -> list[int]:
+        """A process's sentinel is ready a moment before it can be reaped: those are
+        joined (briefly), so that their exit code is known."""
         ended = set(wait([p.sentinel for p in self._processes], 0))
         for p in self._processes:
             if p.sentinel in ended and p.exitcode is None:
                 p.join(1.0)
         return [r for r, p in enumerate(self._processes) if p.exitcode is not None]
 
-    def _deaths(self, dead: list[int], label: str) -> str:
-        return "; ".join(
-            f"rank {r} died (exit code {self._processes[r].exitcode}) during {label}" for r in dead
-        )
+    def death(self, rank: int) -> str:
+        return f"exit code {self._processes[rank].exitcode}"
 
-    def _fail(self, message: str, ranks: Sequence[int], label: str) -> None:
-        """Stop every rank (a failed step cannot be continued) and raise."""
-        self._closed = True
-        _kill(self._processes)
-        self._release()
-        raise LearnerRankError(message, ranks=ranks, call=label)
+    def await_deaths(self, ranks: Sequence[int], timeout_s: float) -> None:
+        wait([self._processes[r].sentinel for r in ranks], timeout_s)
 
-    def _release(self) -> None:
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._processes]
+
+    def close(self, timeout_s: float) -> None:
+        for commands in self._commands:
+            commands.put(wire.encode(("close", ())))
+        deadline = time.monotonic() + timeout_s
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
         _kill(self._processes)
+        if self._released:
+            return
+        self._released = True
         for commands in self._commands:
             commands.cancel_join_thread()  # a dead rank never reads what is queued for it
             commands.close()
@@ -373,13 +454,15 @@ def _listed(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _chosen_device(device: str, num_ranks: int) -> str:
+def _chosen_device(device: str, num_ranks: int, local: bool = True) -> str:
+    """``device`` made definite; ``local``: the ranks run on this machine, whose GPUs are
+    counted (Ray's ranks are counted against the cluster's, ray_ranks.py)."""
     if device == "auto":
         usable = torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks
-        return "cuda" if usable else "cpu"
+        return "cuda" if usable or (not local and torch.cuda.is_available()) else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device == "cuda" and torch.cuda.device_count() < num_ranks:
+    if local and device == "cuda" and torch.cuda.device_count() < num_ranks:
         raise ValueError(
             f"{num_ranks} ranks need {num_ranks} GPUs, found {torch.cuda.device_count()}"
         )

@@ -388,13 +388,13 @@ def combined_metrics(
 # ----------------------------------------------------------------------- the rank process
 
 
-def build_learner(spec: RankSpec, rank: int, world: int) -> ShardedLearner:
+def build_learner(spec: RankSpec, world: int, device_index: int = 0) -> ShardedLearner:
     """This rank's model under FSDP2 (``spec.fsdp_unit``'s units, gradients summed over
     ranks) and its learner; with a KL, a frozen reference loaded and sharded the same way
     (with LoRA the reference is the base: the policy with its adapters off)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", device_index) if spec.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     c = spec.config
@@ -673,36 +673,52 @@ def serve(
     (``commands``: (name, args) items; each answer is ("ok", value) or ("error", text))
     until ("close", ()) or until the driver is gone."""
     _exit_with_parent(parent_pid)
-    if spec.num_threads:
-        torch.set_num_threads(spec.num_threads)
-    torch.manual_seed(spec.seed)
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        host, port = store_address
-        store = dist.TCPStore(host, port, is_master=False)  # type: ignore[attr-defined]
-        dist.init_process_group(
-            "nccl" if spec.device == "cuda" else "gloo", store=store, rank=rank,
-            world_size=world, timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
-        )  # fmt: skip
-        learner = build_learner(spec, rank, world)
+        learner = join_group(rank, world, store_address, spec, device_index=rank)
     except BaseException:
         answers.send_bytes(wire.encode(("error", traceback.format_exc())))
         return
     answers.send_bytes(wire.encode(("ok", None)))
     while True:
         try:
-            name, args = wire.decode(commands.get())
+            payload = commands.get()
         except (EOFError, OSError):
             break
+        name, args = wire.decode(payload)
         if name == "close":
             break
-        try:
-            answers.send_bytes(wire.encode(("ok", COMMANDS[name](learner, *args))))
-        except BaseException:
-            answers.send_bytes(wire.encode(("error", traceback.format_exc())))
+        answers.send_bytes(answer(learner, name, args))
     dist.destroy_process_group()
+
+
+def join_group(
+    rank: int, world: int, store_address: tuple[str, int], spec: RankSpec, device_index: int
+) -> ShardedLearner:
+    """Set this process up as ``rank`` of ``world`` (torch's threads and seed, the process
+    group through the driver's store at ``store_address``) and build its learner, on GPU
+    ``device_index`` when ``spec.device`` is ``cuda``."""
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    torch.manual_seed(spec.seed)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    host, port = store_address
+    store = dist.TCPStore(host, port, is_master=False)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        "nccl" if spec.device == "cuda" else "gloo", store=store, rank=rank,
+        world_size=world, timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+    )  # fmt: skip
+    return build_learner(spec, world, device_index)
+
+
+def answer(learner: ShardedLearner, name: str, args: Sequence[Any]) -> bytes:
+    """The driver's call ``name(*args)`` run on this rank: ("ok", value) or ("error",
+    the traceback), encoded for the driver (wire.py)."""
+    try:
+        return wire.encode(("ok", COMMANDS[name](learner, *args)))
+    except BaseException:
+        return wire.encode(("error", traceback.format_exc()))
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -724,5 +740,7 @@ __all__ = [
     "RootCall",
     "ShardedCritic",
     "ShardedLearner",
+    "answer",
+    "join_group",
     "serve",
 ]

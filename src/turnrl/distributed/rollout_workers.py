@@ -43,6 +43,7 @@ import torch
 
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.vllm_backend import VLLMBackend
+from turnrl.distributed import ray_cluster
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
@@ -154,27 +155,14 @@ class RayRolloutWorkers:
                 "rollout workers sample on CPUs only so far (no GPUs are asked of Ray); set "
                 "model.device = 'cpu' or cluster.rollout_workers = 0"
             )
-        self.ray = _import_ray()
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         cores = os.cpu_count() or 1
         self.threads = threads or spec.config.threads or max(1, cores // num_workers)
-        self._owns_cluster = False
         self.actors: list[Any] = []
-        if not self.ray.is_initialized():
-            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-            if not address:  # a cluster of this machine, with room for every worker
-                options["num_cpus"] = max(cores, num_workers)
-                # Ray starts its workers at niceness 15 below the driver: beside a learner
-                # update (asynchronous training) or any other work they would get a
-                # fraction of a core. The workers are this run's own work: same priority.
-                options["_system_config"] = {"worker_niceness": 0}
-            try:
-                self.ray.init(address=address or None, **options)
-            except ConnectionError as exc:
-                raise ConfigError(join_failure(address, exc)) from exc
-            self._owns_cluster = True
+        self.ray = ray_cluster.join(address, min_cpus=num_workers)
+        self._joined = True
         self._spec = spec
         try:
             env_ref = self.ray.put(spec.env)
@@ -275,9 +263,9 @@ class RayRolloutWorkers:
             with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(actor)
         self.actors = []
-        if self._owns_cluster:
-            self.ray.shutdown()
-            self._owns_cluster = False
+        if self._joined:
+            self._joined = False
+            ray_cluster.leave()  # the last to leave shuts down a cluster the run started
 
     def _new_actor(self) -> tuple[Any, Any]:
         """A worker built from the start model, with the current weights if a sync has
@@ -357,29 +345,5 @@ def contiguous_shards(n: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def join_failure(address: str, exc: BaseException) -> str:
-    """Why the Ray cluster at ``address`` could not be joined, and what to do."""
-    message = f"cluster.address = {address!r}: cannot join the Ray cluster: {exc}"
-    if "auth" in f"{exc} {exc.__cause__}".lower():  # `ray start` turns token auth on
-        message += (
-            ". The cluster checks a token (Ray's default for `ray start`): run with "
-            "RAY_AUTH_MODE=token, and the head's ~/.ray/auth_token on this machine (or "
-            "RAY_AUTH_TOKEN set to it)"
-        )
-    return message
-
-
 def _listed(workers: Sequence[int]) -> str:
     return ", ".join(str(w) for w in workers)
-
-
-def _import_ray() -> Any:
-    """Ray, or an error saying how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ConfigError(
-            "cluster.rollout_workers >= 1 runs the workers as Ray actors: install Ray "
-            "(pip install 'turnrl[ray]')"
-        ) from exc
-    return ray

@@ -628,6 +628,10 @@ class ClusterConfig:
     own, gathered only while it computes (``layer``: a rank holds one layer whole at a
     time, so a model larger than a device trains), or the whole model one unit (``model``:
     fewer, larger collectives; every parameter whole on each rank while it computes)."""
+    learner_placement: Literal["local", "ray"] = "local"
+    """Where the learner ranks run: processes of the driver on this machine (``local``), or
+    Ray actors on the cluster at ``address`` (``ray``: wherever Ray places them, several
+    nodes included; a GPU each on GPUs), joined through a store on the driver's node."""
     rollout_workers: int = 0
     """Inference engines with their environments: 0 samples in this process; N >= 1 runs
     the episodes on N Ray actors (a local Ray cluster, or ``address``'s), each a torch
@@ -637,8 +641,9 @@ class ClusterConfig:
     """The deadline of each call to a rollout worker (a batch of episodes, a weight sync);
     a worker that misses it stops the run with an error naming it."""
     address: str = ""
-    """The Ray cluster the rollout workers join (``ray start --head`` prints it, e.g.
-    ``"auto"`` or ``"ray://head:10001"``); "" starts a local one on this machine."""
+    """The Ray cluster the rollout workers (and ranks placed by Ray) join (``ray start
+    --head`` prints it, e.g. ``"auto"`` or ``"ray://head:10001"``); "" starts a local one on
+    this machine."""
 
     def __post_init__(self) -> None:
         _require(
@@ -646,6 +651,11 @@ class ClusterConfig:
                 (self.learner_ranks >= 0, "cluster.learner_ranks must be >= 0"),
                 (self.rollout_workers >= 0, "cluster.rollout_workers must be >= 0"),
                 (self.worker_timeout_s > 0, "cluster.worker_timeout_s must be > 0"),
+                (
+                    self.learner_placement == "local" or self.learner_ranks >= 1,
+                    "cluster.learner_placement = 'ray' places learner ranks: set "
+                    "cluster.learner_ranks >= 1",
+                ),
             ]
         )
 
@@ -956,10 +966,12 @@ def inert_settings(config: Config) -> list[str]:
             f"rollout.sampler_weights = {config.rollout.sampler_weights!r} has no effect: "
             "it applies only with rollout.backend = 'torch' (vLLM holds its own copy)"
         )
-    if config.cluster.address and config.cluster.rollout_workers == 0:
+    c = config.cluster
+    if c.address and c.rollout_workers == 0 and c.learner_placement != "ray":
         out["cluster.address"] = (
-            f"cluster.address = {config.cluster.address!r} has no effect: only rollout "
-            "workers (cluster.rollout_workers >= 1) join a Ray cluster"
+            f"cluster.address = {c.address!r} has no effect: only rollout workers "
+            "(cluster.rollout_workers >= 1) and learner ranks placed by Ray "
+            "(cluster.learner_placement = 'ray') join a Ray cluster"
         )
     return list(out.values())
 
