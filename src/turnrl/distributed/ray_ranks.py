@@ -100,6 +100,8 @@ class RayRanks:
 
     def answers(self, ranks: Sequence[int], timeout_s: float) -> list[tuple[int, Any]]:
         live = [r for r in ranks if r not in self._dead]
+        if not live:
+            return []
         refs = [self._pending[r] for r in live]
         ready, _ = self.ray.wait(refs, num_returns=1, timeout=max(timeout_s, 0.0))
         got = []
@@ -122,6 +124,8 @@ class RayRanks:
 
     def await_deaths(self, ranks: Sequence[int], timeout_s: float) -> None:
         refs = {self._pending[r]: r for r in ranks if r not in self._dead}
+        if not refs:
+            return
         ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref in ready:
             try:
@@ -138,8 +142,9 @@ class RayRanks:
 
     def close(self, timeout_s: float) -> None:
         leaving = [a.leave.remote() for a in getattr(self, "_actors", [])]
-        with contextlib.suppress(Exception):
-            self.ray.wait(leaving, num_returns=len(leaving), timeout=timeout_s)
+        with contextlib.suppress(Exception):  # a rank already gone
+            if leaving:
+                self.ray.wait(leaving, num_returns=len(leaving), timeout=timeout_s)
         self.kill()
 
     def kill(self) -> None:
