@@ -23,6 +23,7 @@ from turnrl.api import train  # noqa: E402
 from turnrl.distributed.rollout_workers import RolloutWorker  # noqa: E402
 from turnrl.envs import make_env_spec  # noqa: E402
 from turnrl.errors import ConfigError  # noqa: E402
+from turnrl.trainer import loop  # noqa: E402
 from turnrl.trainer.config import Config, load_config, resolved  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -52,14 +53,27 @@ def turns(run_dir: Path) -> list[tuple[Any, ...]]:
     ]
 
 
-def test_one_vllm_worker_gives_the_in_process_vllm_run(tmp_path: Path) -> None:
+def test_one_vllm_worker_gives_the_in_process_vllm_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same run with its vLLM engine in this process and on one Ray worker (whose
     engine is built from the run's model directory and synced through the object store):
-    the same episodes, the same metrics, bit for bit."""
+    the same episodes, the same metrics, bit for bit; the start-up check's gap included,
+    though with a worker it runs on the worker's engine: the driver builds none."""
+    built: list[int] = []  # vLLM engines built in this process, per run
+    real = loop.vllm_sampler
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built[-1] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "vllm_sampler", counted)
     runs = {}
     for name, workers in (("in_process", 0), ("one", 1)):
         runs[name] = tmp_path / name
+        built.append(0)
         train(config(workers), out=runs[name], progress=False)
+    assert built == [1, 0]
     assert turns(runs["one"]) == turns(runs["in_process"])
     expected, got = rows(runs["in_process"]), rows(runs["one"])
     assert [deterministic(r) for r in got] == [deterministic(r) for r in expected]

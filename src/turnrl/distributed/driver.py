@@ -12,8 +12,9 @@ group's ranks. Nothing of the step is repeated here.
 Weight sync: after every update the group's whole weights are gathered from the shards
 (``LearnerGroup.full_state_dict``) and copied into the driver's model, in place. The engine
 samples with that model (the torch backend holds the same object; vLLM is synced from it by
-the step, as in process), and the step moves the policy version on after it: a version's
-samples come from that version's weights only. Checkpoints are the in-process ones (the
+the step, as in process; with rollout workers their engines take it from there), and the
+step moves the policy version on after it: a version's samples come from that version's
+weights only. Checkpoints are the in-process ones (the
 driver's model, the optimizer's state in torch.optim's layout): a run resumes with any
 ``cluster.learner_ranks``, 0 included.
 

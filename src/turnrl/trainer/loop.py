@@ -35,7 +35,7 @@ from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer, template_report
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.rollout.failures import check_failures
-from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
+from turnrl.rollout.groups import GroupSpec, rollout_metrics
 from turnrl.trainer.checkpoint import (
     RunWriteError,
     TrainerState,
@@ -234,17 +234,18 @@ def _run(
                 on_row(row)
 
         t, tokenizer, first, model_path = _start(
-            config, spec, run_dir, checkpoint, progress, make_learner
-        )
+            config, spec, run_dir, checkpoint, progress, make_learner,
+            samples_here=make_workers is None,
+        )  # fmt: skip
         start = load_state(t, checkpoint) if checkpoint is not None else 0
         monitor = Monitor(config.monitor)
-        first.update(check_template(t, progress))
-        first.update(check_sampler(t))
         if make_workers is not None:  # they start with the weights step 1 samples with
             made = WorkersSpec(
                 config, spec, t.learner.model, tokenizer, t.backend.policy_version, model_path
             )
             t = dataclasses.replace(t, workers=make_workers(made))
+        first.update(check_template(t, progress))
+        first.update(check_sampler(t))  # on the engines that sample: the workers', if any
         if checkpoint is None:
             emit({**first, **evaluate(t)})
         else:  # replay the run so far: raised alarms stay latched
@@ -304,11 +305,18 @@ def _start(
     checkpoint: Path | None,
     progress: bool,
     make_learner: MakeLearner | None = None,
+    *,
+    samples_here: bool = True,
 ) -> tuple[Trainer, Any, Row, Path]:
     """The model (built, or loaded from ``checkpoint``), warmed up on a fresh run; the
     learner (``make_learner``'s, or in this process) with its reference policy; the engine.
     Returns the trainer, the tokenizer, the step-0 row so far (the warm-up's numbers) and
-    the model directory the engines are built from."""
+    the model directory the engines are built from.
+
+    ``samples_here=False`` (the run has rollout workers, which hold the engines): the
+    trainer's engine is a torch one on the policy itself that never samples; it keeps the
+    policy version. No ``rollout.backend`` engine is built in this process: a vLLM one
+    would take its memory (a GPU's, on a GPU) for nothing."""
     lora = config.model.lora.rank > 0
     _check_engine_shapes(config)
     if checkpoint is None:
@@ -346,7 +354,11 @@ def _start(
     resumed = checkpoint is not None
     made = LearnerSpec(model, config, run_dir / "start_model", resumed, autocast_dtype(config))
     learner = (make_learner or in_process_learner)(made)
-    backend = _backend(config, model, tokenizer, model_path)
+    backend = (
+        _backend(config, model, tokenizer, model_path)
+        if samples_here
+        else TorchBackend(model, tokenizer)
+    )
     return (
         Trainer.build(config, spec, backend, learner, renderer, limits, sampling),
         tokenizer,
@@ -531,7 +543,8 @@ def _tool_schemas(t: Trainer, env: Any) -> list[Any] | None:
 
 
 def check_sampler(t: Trainer) -> Row:
-    """Before step 1: the engine's log-probs of a probe batch against the learner's.
+    """Before step 1: the engine's log-probs of a probe batch against the learner's (the
+    rollout workers' engines where the run has them: those are what sample).
 
     A gap above ``rollout.startup_tolerance`` stops the run with what was measured: the
     importance weights would otherwise correct (or hide) an engine that samples from
@@ -539,7 +552,7 @@ def check_sampler(t: Trainer) -> Row:
     c = t.config
     tasks = [t.spec.task(i, split="test") for i in range(4)]
     probe = GroupSpec(2, t.limits, t.sampling, seed=derive_seed(c.seed, "startup"))
-    groups = t.backend.run(collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, probe))
+    groups = run_groups(t, tasks, probe)
     samples = [s for g in groups for x in trainable(g) for s in x.samples()]
     if not samples:
         return {}
