@@ -82,9 +82,7 @@ def ensure_trl_venv() -> Path:
         return python
     print(f"setting up {TRL_VENV}: {want}", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", *want.split()], check=True
-    )
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *want.split()], check=True)
     stamp.write_text(want)
     return python
 
