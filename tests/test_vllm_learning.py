@@ -6,9 +6,11 @@ ranks' weights go into the engines after every update.
 The quick-start's model with 2 heads instead of 4 (vLLM's CPU attention needs heads of at
 least 32 dimensions), seed 2, one torch thread per process (the float rounding depends on
 the thread count; vLLM's CPU engine serves on one). Measured on the 2-core CPU: held-out
-success 0.06 at the start, 0.45 at step 70, 0.797 at step 120, 0.875 at step 130 (about 3.3
-s a step after 4 minutes of set-up). Runs in .venv-vllm (`make test` runs it there, beside
-the learning tests of .venv) and skips where vLLM or Ray is not installed.
+success 0.06 at the start, 0.45 at step 70, 0.797 at step 120, 0.875 at step 130 (about 2 s
+a step alone after 3 minutes of set-up, 8 min 45 s in all; 10 min 10 s in `make test`,
+beside the other lane). The start-up check runs on the workers' engines (the driver builds
+none of its own). Runs in .venv-vllm (`make test` runs it there, beside the learning tests
+of .venv) and skips where vLLM or Ray is not installed.
 """
 
 from __future__ import annotations
