@@ -239,12 +239,12 @@ def _run(
         )  # fmt: skip
         start = load_state(t, checkpoint) if checkpoint is not None else 0
         monitor = Monitor(config.monitor)
+        first.update(check_template(t, progress))  # before any worker starts: it needs none
         if make_workers is not None:  # they start with the weights step 1 samples with
             made = WorkersSpec(
                 config, spec, t.learner.model, tokenizer, t.backend.policy_version, model_path
             )
             t = dataclasses.replace(t, workers=make_workers(made))
-        first.update(check_template(t, progress))
         first.update(check_sampler(t))  # on the engines that sample: the workers', if any
         if checkpoint is None:
             emit({**first, **evaluate(t)})
