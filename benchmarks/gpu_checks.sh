@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs in one call (the device tool's `run`, from the repo
 # root, with `.whl` carried: bm25s and tensorboardX wheels, which that image lacks):
-#   - the gpu-marked tests (a bf16 run; the learner on an NCCL rank, alone and in a run);
+#   - the gpu-marked tests (a bf16 run; the learner on an NCCL rank, alone and in a run;
+#     a rollout worker on the GPU, where the image has Ray);
 #   - benchmarks/gpu.py's real section (a Qwen2.5-0.5B-shaped random model);
 #   - the quick-start probe three ways at once, same seed: float32, bf16-mixed with the
 #     bf16 sampler copy (the default), bf16-mixed sharing the learner's model.
@@ -26,7 +27,8 @@ probe probe_fp32 model.precision=float32 &
 probe probe_bf16 model.precision=bf16-mixed &
 probe probe_bf16_shared rollout.sampler_weights=shared &
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_precision.py \
-  tests/test_distributed_learner.py tests/test_distributed_train.py >"$OUT/tests.log" 2>&1
+  tests/test_distributed_learner.py tests/test_distributed_train.py tests/test_rollout_workers.py \
+  >"$OUT/tests.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/tests.log"
 python3 benchmarks/gpu.py --sections real --out /tmp/res/real --runs-dir /tmp/runs/real \
   --setups "full, float32" "full, bf16-mixed, shared sampler" "full, bf16-mixed" \

@@ -6,6 +6,7 @@ shut down after both."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -128,6 +129,19 @@ def test_ranks_on_ray_give_the_in_process_update(local_ray: None, tiny_model_dir
     assert max_diff(weights, reference.model.state_dict()) < 1e-5
     assert gone_soon(pids)
     assert ray.is_initialized()  # the module's cluster: joined, not started, so left running
+
+
+def test_a_group_dropped_without_close_stops_its_actors(
+    local_ray: None, tiny_model_dir: Path
+) -> None:
+    group = LearnerGroup(
+        tiny_model_dir, CONFIG, num_ranks=2, temperature=1.0, timeout_s=30, placement="ray"
+    )
+    pids = group.pids
+    del group
+    gc.collect()
+    assert gone_soon(pids)
+    assert ray.is_initialized()  # left, not shut down: the module's cluster
 
 
 def test_a_killed_ray_rank_is_named_with_the_call(local_ray: None, tiny_model_dir: Path) -> None:

