@@ -11,9 +11,9 @@ a plain model and never see peft.
 ``RayRolloutWorkers`` is the driver's side (``step.RolloutWorkers``): N actors on a local
 Ray cluster, or on the one at ``cluster.address``, each asking Ray for a CPU, and for a GPU
 as well when the policy is on one (``worker_resources``). A batch of tasks is cut into
-contiguous shards, one per worker, and the groups come back in task order. An episode's seed depends
-only on (run seed, task, sample index), so a task's episodes do not depend on which worker
-ran them. The engines' floating-point work can still differ slightly with the batch they
+contiguous shards, one per worker, and the groups come back in task order. An episode's
+seed depends only on (run seed, task, sample index), so a task's episodes do not depend on
+which worker ran them. The engines' floating-point work can still differ slightly with the batch they
 share, so only one worker reproduces the in-process run bit for bit.
 
 Weight sync: the learner's whole state dict (LoRA merged) goes once into Ray's object
