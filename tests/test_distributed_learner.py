@@ -21,9 +21,10 @@ from torch.distributed.tensor import DTensor
 from test_learner import algo
 from turnrl.distributed import LearnerGroup, LearnerRankError, wire
 from turnrl.distributed.learner_group import shard_by_tokens, split_batch
-from turnrl.distributed.rank import ShardedLearner, decoder_layers
+from turnrl.distributed.rank import ShardedLearner, decoder_layers, untied_embeddings
 from turnrl.errors import TurnrlError
 from turnrl.models import load_model
+from turnrl.models.tiny import TinyModelConfig, build_tiny_model
 from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.loop import checkpoint_activations
@@ -180,6 +181,79 @@ def test_either_unit_gives_the_in_process_update_with_a_shared_prefix(
     flat = [x for k in got_kl for x in k]
     assert flat == pytest.approx([x for k in expected_kl for x in k], abs=1e-6)
     assert max(flat) > 0
+
+
+_PROBES: dict[str, Any] = {}
+"""On a rank: what ``watch_embeddings`` saw, and its hooks."""
+
+
+def watch_embeddings(learner: ShardedLearner) -> None:
+    """On every rank: from now on, note whether an embedding of the policy or the KL
+    reference is ever held whole (not a DTensor shard) when a decoder layer starts."""
+    _PROBES.update(policy=False, reference=False, handles=[])
+    for name, model in (("policy", learner.root), ("reference", learner.reference_root)):
+        embeddings = untied_embeddings(model)
+        assert len(embeddings) == 2
+
+        def look(module: Any, args: Any, name: str = name, embeddings: Any = embeddings) -> None:
+            _PROBES[name] |= any(not isinstance(e.weight, DTensor) for e in embeddings)
+
+        _PROBES["handles"] += [
+            layer.register_forward_pre_hook(look) for layer in decoder_layers(model)
+        ]
+
+
+def watched_embeddings(learner: ShardedLearner) -> dict[str, Any]:
+    """On every rank: what ``watch_embeddings`` saw (its hooks removed), whether every
+    parameter is a shard now, and the policy's FSDP2 units by class."""
+    for handle in _PROBES.pop("handles"):
+        handle.remove()
+    models = (learner.root, learner.reference_root)
+    return {
+        **_PROBES,
+        "sharded": all(isinstance(p, DTensor) for m in models for p in m.parameters()),
+        "units": [type(m).__name__ for m in learner.root.modules() if "FSDP" in type(m).__name__],
+    }
+
+
+def test_untied_embeddings_are_units_and_the_update_is_the_in_process_one(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Separate input and output embeddings (as from 7B in Qwen2.5) are layer-mode units
+    of their own: while a decoder layer computes, both are shards, and the gradient,
+    metrics and no-gradient passes are the in-process learner's. The output layer is
+    called twice in a forward (the root's last position, then the trained ones)."""
+    model_dir = build_tiny_model(
+        tmp_path / "untied", TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4,
+        vocab_size=1024, tie_word_embeddings=False),
+    )  # fmt: skip
+    reference = in_process(model_dir)
+    expected = reference.step(batch())
+    expected_grads = {n: p.grad for n, p in reference.model.named_parameters()}
+    s = samples(3, seed=4)
+    with LearnerGroup(
+        model_dir, CONFIG, num_ranks=2, temperature=TEMPERATURE, timeout_s=60
+    ) as group:
+        group.call(watch_embeddings)
+        got = group.step(batch())
+        seen = group.call(watched_embeddings)
+        grads = group.call(full_grads)
+        gap, kl = group.sampler_gap(s, 0), group.reference_kl(s, 0)
+        weights = group.full_state_dict()
+    units = ["FSDPQwen2ForCausalLM", "FSDPEmbedding", "FSDPQwen2DecoderLayer",
+             "FSDPQwen2DecoderLayer", "FSDPLinear"]  # fmt: skip
+    assert seen == [{"policy": False, "reference": False, "sharded": True, "units": units}] * 2
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for rank_grads in grads:
+        assert max_diff(rank_grads, expected_grads) < 1e-5
+    assert max_diff(weights, reference.model.state_dict()) < 1e-5
+    assert gap == pytest.approx(reference.sampler_gap(s, 0), rel=1e-5)
+    flat = [x for k in kl for x in k]
+    assert flat == pytest.approx([x for k in reference.reference_kl(s, 0) for x in k], abs=1e-6)
+    assert max(flat) > 0
+    # a tied weight (the tiny model's) stays the root's
+    assert untied_embeddings(load_model(tiny_model_dir)) == []
 
 
 def test_a_model_without_decoder_layer_classes_is_refused_for_layer_units() -> None:

@@ -12,12 +12,13 @@ the unit's forward hook and reduces its gradients after its backward, so every r
 run the same sequence of unit calls, whatever its rows. Every rank runs the same number
 of micro-batches (empty ones are added where a rank has fewer), and each call of
 ``base_model`` by the learner's forward code (trainer/forward.py) goes through the root's
-forward (``RootCall``), whose gathered parameters (embeddings, final norm, output layer)
-stay gathered until its backward.
+forward (``RootCall``), whose gathered parameters (the final norm, and the embeddings and
+output layer unless they are units of their own) stay gathered until its backward.
 - ``"layer"`` (the default): each decoder layer is a unit of its own (the classes the
   model lists as ``_no_split_modules``), gathered for its forward, sharded again after it,
-  gathered again for its backward. A rank holds one layer whole at a time besides the
-  root's parameters: what lets a model larger than one device's memory train. Whether
+  gathered again for its backward. So are the input and output embeddings where they are
+  separate weights (``untied_embeddings``). A rank holds one layer whole at a time besides
+  the root's parameters: what lets a model larger than one device's memory train. Whether
   the forward code runs a common prefix apart (two calls of the base model, not one)
   depends on each rank's rows, so the ranks agree on it before each forward (the
   smallest prefix over the ranks: ``forward.agreed_prefix``): a prefix is run apart only
@@ -420,14 +421,14 @@ def build_learner(spec: RankSpec, world: int, device_index: int = 0) -> ShardedL
 
 def sharded(model: Any, mesh: Any, unit: str = "layer") -> Any:
     """``model`` under FSDP2 on ``mesh``, its gradients summed over ranks: each decoder
-    layer a unit and the rest the root's (``unit="layer"``), or the whole model one unit
-    (``"model"``)."""
+    layer a unit, untied input and output embeddings units too, and the rest the root's
+    (``unit="layer"``), or the whole model one unit (``"model"``)."""
     from torch.distributed.fsdp import fully_shard
 
     if unit not in ("layer", "model"):
         raise ValueError(f"fsdp unit must be 'layer' or 'model', got {unit!r}")
     if unit == "layer":
-        for layer in decoder_layers(model):
+        for layer in decoder_layers(model) + untied_embeddings(model):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in fsdp_units(model):  # per unit: neither setting recurses
@@ -455,6 +456,23 @@ def decoder_layers(model: Any) -> list[Any]:
             "layer class (transformers' _no_split_modules); set cluster.fsdp_unit = 'model'"
         )
     return [module for _, module in found]
+
+
+def untied_embeddings(model: Any) -> list[Any]:
+    """``model``'s input and output embeddings when they are separate weights (from 7B in
+    Qwen2.5: a billion parameters at a 152k vocabulary), else none. As units of their own
+    a rank holds each whole only while it computes; as the root's, from the forward to the
+    backward. The output layer is then gathered twice in a forward: once for the root's
+    own call, which computes the last position's logits (``RootCall``, unused), and once
+    for the forward code's call on the trained positions. A tied weight stays the root's:
+    one parameter cannot belong to two units."""
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    inp = get_input() if get_input is not None else None
+    out = get_output() if get_output is not None else None
+    if inp is None or out is None or out.weight is inp.weight:
+        return []
+    return [inp, out]
 
 
 def _no_split_modules(model: Any) -> list[str]:

@@ -625,8 +625,9 @@ class ClusterConfig:
     process, loaded with the group's full weights after every update."""
     fsdp_unit: Literal["layer", "model"] = "layer"
     """How the learner ranks shard the model under FSDP2: each decoder layer a unit of its
-    own, gathered only while it computes (``layer``: a rank holds one layer whole at a
-    time, so a model larger than a device trains), or the whole model one unit (``model``:
+    own, gathered only while it computes, and so are untied input and output embeddings
+    (``layer``: a rank holds one layer whole at a time, so a model larger than a device
+    trains), or the whole model one unit (``model``:
     fewer, larger collectives; every parameter whole on each rank while it computes)."""
     learner_placement: Literal["local", "ray"] = "local"
     """Where the learner ranks run: processes of the driver on this machine (``local``), or
