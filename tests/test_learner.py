@@ -334,6 +334,31 @@ def test_the_entropy_bonus_raises_entropy(model: Any, tokenizer: Any) -> None:
     assert after > before
 
 
+def test_the_entropy_is_computed_only_where_it_is_used(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KL reference's forward and a second epoch would throw the entropy away: it is
+    computed on the first pass only (the logged value), and on every pass when a bonus
+    trains on it. The log-probs are the same without it."""
+    batch = rollout_batch(model, tokenizer, tasks=2, group=2)
+    args = (batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0)
+    with torch.no_grad():
+        both, alone = token_logprobs(model, *args), token_logprobs(model, *args, with_entropy=False)
+    assert alone[1] is None
+    assert torch.equal(both[0], alone[0])
+    assert both[1] is not None
+    assert float(both[1].sum()) > 0
+    calls: list[int] = []
+    entropy_of = forward.entropy_of
+    monkeypatch.setattr(forward, "entropy_of", lambda x: calls.append(len(x)) or entropy_of(x))
+    for coef, passes in ((0.0, 1), (0.01, 2)):
+        calls.clear()
+        config = algo(epochs=2, kl__coef=0.1, entropy_coef=coef, micro_batch__size=64)
+        metrics = Learner(copy.deepcopy(model), config, temperature=1.0).step(batch)
+        assert calls == [int(batch.loss_mask[:, 1:].sum())] * passes  # one micro-batch
+        assert metrics["loss/entropy"] > 0
+
+
 def test_gspo_takes_one_advantage_per_sequence_from_per_token_values(
     model: Any, tokenizer: Any
 ) -> None:

@@ -165,14 +165,18 @@ def token_logprobs(
     temperature: float,
     entropy_grad: bool = False,
     layout: str = "padded",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(x_t | x_<t) and the entropy of pi(. | x_<t), both [B, T], where ``loss_mask``.
 
     Only the positions that are trained on go through the output layer: in agent rollouts
     most tokens are prompt and tool output, so this skips most of the vocabulary-sized
     work. Logits are divided by the sampling temperature, matching the sampler's log-probs.
     Elsewhere both outputs are 0. The entropy carries a gradient only with
-    ``entropy_grad`` (an entropy bonus needs it; logging does not). ``layout``: the
+    ``entropy_grad`` (an entropy bonus needs it; logging does not). Without
+    ``with_entropy`` it is not computed (``None``): three vocabulary-sized passes over
+    every trained position, which a reference, a scoring pass or a later epoch would
+    throw away. ``layout``: the
     rows as given (``padded``, their common prefix run once), packed back to back
     (``packed``, ``pack_rows``: no work on padding, no shared prefix), or whichever of the
     two runs fewer token positions (``auto``). The outputs keep the batch's layout.
@@ -203,7 +207,13 @@ def token_logprobs(
     picked = logp_all.gather(-1, input_ids[b, t][:, None]).squeeze(-1)
     logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
     logprobs = logprobs.index_put((b, t), picked)
+    if not with_entropy:
+        return logprobs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        per_position = -(logp_all.exp() * logp_all).sum(-1)
-        entropy = torch.zeros_like(logprobs).index_put((b, t), per_position)
+        entropy = torch.zeros_like(logprobs).index_put((b, t), entropy_of(logp_all))
     return logprobs, entropy
+
+
+def entropy_of(logp_all: torch.Tensor) -> torch.Tensor:
+    """The entropy of each row of log-probabilities over the vocabulary: [N, V] -> [N]."""
+    return -(logp_all.exp() * logp_all).sum(-1)

@@ -168,7 +168,7 @@ class Learner:
             with torch.no_grad(), self.autocasting():
                 logprobs, _ = token_logprobs(
                     model, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                    self.temperature, layout=self.config.micro_batch.layout,
+                    self.temperature, layout=self.config.micro_batch.layout, with_entropy=False,
                 )  # fmt: skip
             yield part, mb, logprobs
 
@@ -365,7 +365,7 @@ class Learner:
         with torch.no_grad(), self.reference() as reference:
             ref, _ = token_logprobs(
                 reference, mb.input_ids, mb.attention_mask, mb.loss_mask,
-                self.temperature, layout=self.config.micro_batch.layout,
+                self.temperature, layout=self.config.micro_batch.layout, with_entropy=False,
             )  # fmt: skip
         return ref
 
@@ -393,9 +393,11 @@ class Learner:
             if first:
                 refs.append(self._reference_logprobs(mb))
             ref = refs[i]
+            # The entropy: a loss term (entropy_coef), else logged from the first pass only.
             logprobs, entropy = token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.loss_mask, self.temperature,
                 entropy_grad=cfg.entropy_coef > 0, layout=cfg.micro_batch.layout,
+                with_entropy=first or cfg.entropy_coef > 0,
             )  # fmt: skip
             if first:
                 proximal.append(logprobs.detach())
@@ -403,6 +405,7 @@ class Learner:
             loss = self._reduce(out.per_token_loss, mask, norms)
             totals["loss"] += float(loss.detach())
             if cfg.entropy_coef > 0:
+                assert entropy is not None
                 loss = loss - cfg.entropy_coef * self._reduce(entropy, mb.loss_mask, norms)
             if ref is not None:
                 kl = self._reduce(
@@ -414,7 +417,8 @@ class Learner:
             with torch.no_grad():
                 gap = torch.where(mb.loss_mask, (logprobs - mb.old_logprobs).abs(), 0.0)
                 share = mb.loss_mask.sum() / num_tokens
-                totals["entropy"] += float(masked_mean(entropy.detach(), mb.loss_mask) * share)
+                if entropy is not None:
+                    totals["entropy"] += float(masked_mean(entropy.detach(), mb.loss_mask) * share)
                 totals["clipped"] += float(masked_mean(out.clipped.float(), mb.loss_mask) * share)
                 totals["abs_gap"] += float(gap.sum() / num_tokens)
                 totals["max_gap"] = max(totals["max_gap"], float(gap.max()))

@@ -80,7 +80,9 @@ def supervised_warmup(
         chosen = rng.sample(samples, min(config.batch_size, len(samples)))
         batch = pack(chosen, [0.0] * len(chosen), pad_id).to(next(model.parameters()).device)
         mask = batch.loss_mask
-        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, mask, 1.0)
+        logprobs, _ = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, mask, 1.0, with_entropy=False
+        )
         loss = -torch.where(mask, logprobs, 0.0).sum() / mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
