@@ -176,10 +176,10 @@ def token_logprobs(
     ``entropy_grad`` (an entropy bonus needs it; logging does not). Without
     ``with_entropy`` it is not computed (``None``): three vocabulary-sized passes over
     every trained position, which a reference, a scoring pass or a later epoch would
-    throw away. ``layout``: the
-    rows as given (``padded``, their common prefix run once), packed back to back
-    (``packed``, ``pack_rows``: no work on padding, no shared prefix), or whichever of the
-    two runs fewer token positions (``auto``). The outputs keep the batch's layout.
+    throw away. ``layout``: the rows as given (``padded``, their common prefix run once),
+    packed back to back (``packed``, ``pack_rows``: no work on padding, no shared prefix),
+    or whichever of the two runs fewer token positions (``auto``). The outputs keep the
+    batch's layout.
     """
     target = loss_mask.clone()
     target[:, 0] = False  # the first token has no context to be predicted from
