@@ -121,12 +121,13 @@ typecheck: setup
 #    (about 6% of the suite's) instead of a minute and a half of the set-up's critical path.
 # 3. Two lanes side by side, each test in them on one torch thread: in .venv the learning
 #    tests and the `serial` ones (they check machine-wide state that another test process
-#    of the suite may change), then the vLLM tests in .venv-vllm; beside them the vLLM
-#    learning test in .venv-vllm (on a CPU machine; on a GPU one .venv has turnrl[vllm] and
-#    runs all of them in the first lane).
+#    of the suite may change), then the vLLM tests in .venv-vllm; beside them the backends
+#    benchmark's smoke and the vLLM learning test in .venv-vllm (on a CPU machine; on a GPU
+#    one .venv has turnrl[vllm] and runs all of them in the first lane).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py \
-	tests/test_benchmark_backends.py tests/test_eval_vllm_server.py
+VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_eval_vllm_server.py
+# the backends benchmark's smoke (26 s) goes before the vLLM learning test: the lanes even
+VLLM_TESTS_BESIDE := tests/test_benchmark_backends.py tests/test_vllm_learning.py
 checks: lint setup-test setup-vllm setup-trl
 test:
 	$(MAKE) --no-print-directory -j4 -Otarget checks
@@ -144,7 +145,7 @@ learning-lane: setup-test setup-vllm
 	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pytest -q --durations=5 -p no:cacheprovider -m vllm $(VLLM_TESTS))
 
 vllm-learning-lane: setup-vllm
-	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pytest -q --durations=5 -p no:cacheprovider tests/test_vllm_learning.py)
+	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pytest -q --durations=5 -p no:cacheprovider $(VLLM_TESTS_BESIDE))
 
 unit: setup-test
 	$(VENV)/bin/pytest -q -m "not learning"
