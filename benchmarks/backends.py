@@ -65,6 +65,7 @@ every sampler erratic: OpenMP threads that wait for a busy core).
 
     .venv-vllm/bin/python benchmarks/backends.py
     .venv-vllm/bin/python benchmarks/backends.py --smoke    # tiny settings, seconds
+    python3 benchmarks/backends.py --sections gpu   # a lent GPU (benchmarks/gpu_vllm_checks.sh)
 
 Needs vLLM (``make setup-vllm``: .venv-vllm). Writes benchmarks/results/backends.json and
 .md; models go to benchmarks/runs/backends (``--out``, ``--runs-dir``; ``--smoke``: a
@@ -109,6 +110,8 @@ from turnrl.trainer.warmup import (
 )
 from turnrl.types import Completion, GenerationRequest, Trajectory
 
+SECTIONS = ("tiny", "sync", "gpu")
+"""The parts of the benchmark, in the order they run (``--sections``)."""
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=1024)
 """The quick-start's shape with 2 heads (32 wide), as ``model.num_heads=2`` builds it."""
 SYNC_SHAPES = {
@@ -413,7 +416,7 @@ def sync_times(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in args.sync_models:
         model_dir = tiny_dir(work, f"sync-{name}", SYNC_SHAPES[name])
         tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
-        engine = VLLMBackend(model_dir, tokenizer, max_model_len=256)
+        engine = VLLMBackend(model_dir, tokenizer, max_model_len=256, sleep=False)
         engine.generate_sync([GenerationRequest((1, 2, 3), 4)])  # warm the engine up
         walls, resets = [], []
         for _ in range(args.repeats):
@@ -450,6 +453,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, all samplers")
     parser.add_argument("--sync-models", nargs="+", default=list(SYNC_SHAPES))
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+        help="which parts run (a lent GPU machine runs gpu alone: each vLLM engine there "
+        "compiles and captures CUDA graphs first)",
+    )  # fmt: skip
     smoke = {
         "tasks": 2, "group_size": 2, "single_tokens": 8, "turn_tokens": 16,
         "warmup_steps": 4, "repeats": 1, "threads": 1, "sync_models": ["tiny", "~10x"],
@@ -460,20 +468,28 @@ def main() -> None:
     work = args.runs_dir / "backends"
     model_dir = tiny_dir(work, "tiny", TINY)
     tokenizer = load_tokenizer(model_dir)
-    caller = caller_model(model_dir, args.warmup_steps)
-    t0 = time.perf_counter()
-    engine = VLLMBackend(model_dir, tokenizer, max_model_len=MAX_MODEL_LEN)
-    startup_s = time.perf_counter() - t0
-    engine.load_weights(caller)
-    tiny = compare(engine, TorchBackend(caller, tokenizer), tokenizer, args)
-    print(f"torch threads: {torch.get_num_threads()}", flush=True)
-    del engine
-    gc.collect()
-    sync = sync_times(work, args)
-    gpu: dict[str, Any] = {"skipped": "no CUDA device"}
-    if torch.cuda.is_available():
+    startup_s, tiny, sync = None, None, None
+    if "tiny" in args.sections:
+        caller = caller_model(model_dir, args.warmup_steps)
+        t0 = time.perf_counter()
+        engine = VLLMBackend(model_dir, tokenizer, max_model_len=MAX_MODEL_LEN, sleep=False)
+        startup_s = time.perf_counter() - t0
+        engine.load_weights(caller)
+        tiny = compare(engine, TorchBackend(caller, tokenizer), tokenizer, args)
+        print(f"torch threads: {torch.get_num_threads()}", flush=True)
+        del engine
+        gc.collect()
+    if "sync" in args.sections:
+        sync = sync_times(work, args)
+    gpu: dict[str, Any] = {"skipped": "not asked for (--sections)"}
+    if "gpu" in args.sections and not torch.cuda.is_available():
+        gpu = {"skipped": "no CUDA device"}
+    elif "gpu" in args.sections:
         qwen = qwen_shaped_dir(work, model_dir)
-        engine = VLLMBackend(qwen, tokenizer, dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+        # No sleep mode: nothing trains beside this engine, and raw vLLM's calls need it awake.
+        engine = VLLMBackend(
+            qwen, tokenizer, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, sleep=False
+        )
         gpu = {
             "model": "random, Qwen2.5-0.5B shape, bfloat16",
             **compare(engine, None, tokenizer, args),
@@ -487,9 +503,10 @@ def main() -> None:
 
 
 def write(
-    args: argparse.Namespace, vllm: Any, startup_s: float, tiny: dict[str, Any],
-    sync: list[dict[str, Any]], gpu: dict[str, Any],
+    args: argparse.Namespace, vllm: Any, startup_s: float | None, tiny: dict[str, Any] | None,
+    sync: list[dict[str, Any]] | None, gpu: dict[str, Any],
 ) -> None:  # fmt: skip
+    """The results as JSON and a Markdown table; a section not run (``None``) says so."""
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
@@ -513,20 +530,30 @@ def write(
         "repeat's wall-time ratio to raw-vllm. raw-vllm-ids: raw vLLM with "
         f"`detokenize=False`. `{command}`",
         "",
-        "| case | sampler | wall s | in engine steps s | sampled tok/s | episodes/s "
-        "| wall / raw-vllm's |",
-        "|---|---|---|---|---|---|---|",
     ]
-    lines += case_lines(tiny, args)
+    if tiny is None:
+        lines.append("Tiny model: not run (--sections).")
+    else:
+        lines += [
+            "| case | sampler | wall s | in engine steps s | sampled tok/s | episodes/s "
+            "| wall / raw-vllm's |",
+            "|---|---|---|---|---|---|---|",
+            *case_lines(tiny, args),
+        ]
     lines += [
         "",
         "Weight sync (`VLLMBackend.load_weights`: in place, then the prefix cache reset):",
         "",
-        "| model | parameters | x tiny | float32 MB | load_weights ms | prefix reset alone ms "
-        "| MB/s |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in sync:
+    if sync is None:
+        lines.append("not run (--sections).")
+    else:
+        lines += [
+            "| model | parameters | x tiny | float32 MB | load_weights ms "
+            "| prefix reset alone ms | MB/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    for r in sync or []:
         lines.append(
             f"| {r['model']} | {r['parameters']:,} | {r['parameters_over_tiny']:.1f} | "
             f"{r['state_dict_bytes'] / 1e6:.1f} | {r['load_weights_s'] * 1000:.1f} | "

@@ -296,10 +296,10 @@ CHECKS: dict[str, Check] = {
     "vs_trl": vs_trl,
 }
 RUN_BY = {"vs_trl_trl_side": "vs_trl"}
+"""Scripts another one runs (TRL's side, in TRL's virtualenv), checked by its smoke test."""
 OWN_TEST = {"backends"}
 """Scripts that need vLLM: smoke-tested in .venv-vllm by their own file
 (tests/test_benchmark_backends.py)."""
-"""Scripts another one runs (TRL's side, in TRL's virtualenv), checked by its smoke test."""
 TIMEOUT_S = {"vs_trl": 600}
 """vs_trl makes TRL's virtualenv on first use (about a minute) unless `make setup-trl` has; the
 others take seconds."""

@@ -277,3 +277,16 @@ def test_a_vllm_run_with_narrow_heads_stops_before_building_the_model(tmp_path: 
     with pytest.raises(ConfigError, match=r"the tiny model .* has 16 \(64 / 4 heads\)"):
         train(load_config(None, settings), tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "base_model").exists()
+
+
+def test_the_vllm_engine_runs_in_this_process_on_every_device() -> None:
+    """On a GPU too: ``reload_weights`` is handed the learner's tensors, which vLLM's own
+    engine process would need serialised (it refuses the function that carries them). Only
+    a CPU engine gets the 1 GiB KV cache."""
+    from turnrl.backends.vllm_backend import engine_environment
+
+    assert engine_environment(on_gpu=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine_environment(on_gpu=False) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }

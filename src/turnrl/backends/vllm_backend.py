@@ -19,9 +19,12 @@ Weights: ``sync(model)`` hands the learner's tensors to the engine in place thro
 model runner's ``reload_weights`` (no disk round trip), empties the prefix cache (its keys
 and values belong to the old weights), and bumps ``policy_version``.
 
-On a CPU the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a
-1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``) unless those are set; vLLM's CPU attention
-needs a head size of at least 32.
+The engine runs in this process on every device (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+unless set): ``reload_weights`` is then handed the learner's own tensors, where vLLM's
+default engine process would need them serialised (and refuses a function without
+``VLLM_ALLOW_INSECURE_SERIALIZATION``). On a CPU the KV cache is 1 GiB
+(``VLLM_CPU_KVCACHE_SPACE``) unless set; vLLM's CPU attention needs a head size of at
+least 32.
 """
 
 from __future__ import annotations
@@ -41,8 +44,15 @@ from turnrl.types import Completion, FinishReason, GenerationRequest
 
 T = TypeVar("T")
 
-CPU_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-"""Defaults for a CPU engine, set before vLLM is imported unless already set."""
+
+def engine_environment(on_gpu: bool) -> dict[str, str]:
+    """vLLM's settings turnrl sets before importing it, unless already set: the engine in
+    this process on every device (weights go in by reference); on a CPU, a 1 GiB KV cache
+    (vLLM's CPU default takes a share of memory meant for a server)."""
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if not on_gpu:
+        environment["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return environment
 
 
 def import_vllm() -> Any:
@@ -50,9 +60,8 @@ def import_vllm() -> Any:
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            for key, value in CPU_ENVIRONMENT.items():
-                os.environ.setdefault(key, value)
+        for key, value in engine_environment(torch.cuda.is_available()).items():
+            os.environ.setdefault(key, value)
         import vllm
     except ImportError as exc:
         raise BackendError(

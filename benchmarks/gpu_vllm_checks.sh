@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The vLLM checks a lent GPU machine runs (the device tool's `run`, from the repo root).
+# That machine has no vLLM and no package index, so vLLM comes in parts
+# (requirements/vllm_carry.py pack, here, makes .carry/vllm-1 ... vllm-N): one `run` call per
+# part, back to back while the machine stays warm, each carrying its part. The calls before
+# the last run `python3 requirements/vllm_carry.py receive`; the last runs this script, which
+# receives its part, unpacks them all, then runs:
+#   - the gpu-marked vLLM test: the probe in bf16-mixed with vLLM colocated in sleep mode
+#     (its peak memory and step time are printed);
+#   - benchmarks/backends.py's gpu section: a random Qwen2.5-0.5B-shaped model in bf16,
+#     turnrl's vLLM path against raw vLLM on the same engine.
+# One after the other, not side by side: the benchmark's timings are the GPU's alone.
+# Everything lands in $OUT: one log per part and the benchmark's JSON and Markdown.
+set -u
+OUT=${OUT:-/tmp/gpu_vllm_checks}
+mkdir -p "$OUT"
+python3 requirements/vllm_carry.py receive >"$OUT/receive.log" 2>&1
+status=$?
+cat "$OUT/receive.log"
+[ "$status" -eq 0 ] || exit "$status"
+export PYTHONPATH=/tmp/vllm-site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/versions.log"
+python3 -c "import sys, torch, transformers, vllm
+print('Python', sys.version.split()[0], 'torch', torch.__version__, 'transformers',
+      transformers.__version__, 'vllm', vllm.__version__)" >>"$OUT/versions.log" 2>&1
+cat "$OUT/versions.log"
+timeout 210 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_vllm_backend.py \
+  >"$OUT/test_gpu.log" 2>&1
+echo "pytest exit: $?" >>"$OUT/test_gpu.log"
+grep -E "peak|passed|failed|error|exit" "$OUT/test_gpu.log" | tail -5
+timeout 300 python3 benchmarks/backends.py --sections gpu --out "$OUT/backends_gpu" \
+  --runs-dir /tmp/runs >"$OUT/backends_gpu.log" 2>&1
+echo "backends exit: $?" >>"$OUT/backends_gpu.log"
+tail -12 "$OUT/backends_gpu.log"
