@@ -8,8 +8,11 @@
 #   - the gpu-marked vLLM test: the probe in bf16-mixed with vLLM colocated in sleep mode
 #     (its peak memory and step time are printed);
 #   - benchmarks/backends.py's gpu section: a random Qwen2.5-0.5B-shaped model in bf16,
-#     turnrl's vLLM path against raw vLLM on the same engine.
-# One after the other, not side by side: the benchmark's timings are the GPU's alone.
+#     turnrl's vLLM path against raw vLLM on the same engine;
+#   - the gpu-marked rollout-worker test (a Ray worker's engine on the GPU; the image has no
+#     Ray, so the parts bring it).
+# One after the other, not side by side: the benchmark's timings are the GPU's alone. Each
+# has a deadline, and together they end inside one call's 600 s.
 # Everything lands in $OUT: one log per part and the benchmark's JSON and Markdown.
 set -u
 OUT=${OUT:-/tmp/gpu_vllm_checks}
@@ -24,11 +27,15 @@ python3 -c "import sys, torch, transformers, vllm
 print('Python', sys.version.split()[0], 'torch', torch.__version__, 'transformers',
       transformers.__version__, 'vllm', vllm.__version__)" >>"$OUT/versions.log" 2>&1
 cat "$OUT/versions.log"
-timeout 210 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_vllm_backend.py \
+timeout 180 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_vllm_backend.py \
   >"$OUT/test_gpu.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/test_gpu.log"
 grep -E "peak|passed|failed|error|exit" "$OUT/test_gpu.log" | tail -5
-timeout 300 python3 benchmarks/backends.py --sections gpu --out "$OUT/backends_gpu" \
+timeout 240 python3 benchmarks/backends.py --sections gpu --out "$OUT/backends_gpu" \
   --runs-dir /tmp/runs >"$OUT/backends_gpu.log" 2>&1
 echo "backends exit: $?" >>"$OUT/backends_gpu.log"
 tail -12 "$OUT/backends_gpu.log"
+timeout 110 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_rollout_workers.py \
+  >"$OUT/test_workers_gpu.log" 2>&1
+echo "pytest exit: $?" >>"$OUT/test_workers_gpu.log"
+tail -3 "$OUT/test_workers_gpu.log"

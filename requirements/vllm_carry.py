@@ -16,9 +16,9 @@ sent in parts, one part a call, calls back to back while the machine stays warm:
   their SHA-256, and once every part is there, unpacks them into ``--site``. Exits 0 when
   the site is ready, 3 while parts are missing (it names them).
 - ``check-imports`` (here): imports, with an interpreter given by ``--python`` and the
-  packed site first on its path, the modules a colocated engine loads (``MODULES``); vLLM's
-  CUDA kernels are replaced by an empty module, since they need a GPU driver to load. A
-  missing package fails it.
+  packed site first on its path, the modules a colocated engine loads (``MODULES``) and
+  turnrl's own needs (``OWN``); vLLM's CUDA kernels are replaced by an empty module,
+  since they need a GPU driver to load. A missing package fails it.
 
     python3 requirements/vllm_carry.py pack
     python3 requirements/vllm_carry.py check-imports --python /path/to/python3.12
@@ -71,6 +71,8 @@ MODULES = [
 """What a colocated engine on CUDA imports: the offline ``LLM``, the engine and its
 in-process executor, the GPU worker and model runner, two attention backends, the
 sampler, structured outputs, LoRA requests, the loader and four model families."""
+OWN = ["ray", "tensorboardX", "bm25s"]
+"""turnrl's own needs that the lent machine's image lacks."""
 ARCHIVE = "vllm-gpu.tar.xz"
 MANIFEST = "manifest.json"
 
@@ -233,7 +235,8 @@ sys.exit(1 if failed else 0)
 def check_imports(args: argparse.Namespace) -> int:
     environment = {**os.environ, "PYTHONPATH": str(args.work / "site")}
     environment.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    done = subprocess.run([args.python, "-c", PROBE, *MODULES], env=environment, check=False)
+    probe = [args.python, "-c", PROBE, *MODULES, *OWN]
+    done = subprocess.run(probe, env=environment, check=False)
     return done.returncode
 
 
