@@ -14,7 +14,8 @@ sent in parts, one part a call, calls back to back while the machine stays warm:
   folder git ignores (``--parts``: the device tool keeps ignored files between the calls
   of a warm machine, where a carried path is replaced by the next call's), checks
   their SHA-256, and once every part is there, unpacks them into ``--site``. Exits 0 when
-  the site is ready, 3 while parts are missing (it names them).
+  the site is ready, 3 while parts are missing (it names them), 4 at once where the
+  machine's Python or torch is not the one the parts are built for.
 - ``check-imports`` (here): imports, with an interpreter given by ``--python`` and the
   packed site first on its path, the modules a colocated engine loads (``MODULES``) and
   turnrl's own needs (``OWN``); vLLM's CUDA kernels are replaced by an empty module,
@@ -73,6 +74,10 @@ in-process executor, the GPU worker and model runner, two attention backends, th
 sampler, structured outputs, LoRA requests, the loader and four model families."""
 OWN = ["ray", "tensorboardX", "bm25s"]
 """turnrl's own needs that the lent machine's image lacks."""
+PYTHON = (3, 12)
+TORCH = "2.11.0"
+"""The lent machine's Python and torch, which the packed site is built for: vLLM's kernels
+are compiled against this torch, and the site's extensions for this Python."""
 ARCHIVE = "vllm-gpu.tar.xz"
 MANIFEST = "manifest.json"
 
@@ -95,7 +100,7 @@ def build_site(site: Path, requirements: Path = REQUIREMENTS) -> None:
     platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
-         "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+         "--only-binary=:all:", "--python-version", ".".join(map(str, PYTHON)), "--implementation", "cp",
          *platforms, "--target", str(site), "-r", str(requirements)],
         check=True,
     )  # fmt: skip
@@ -186,7 +191,36 @@ class Chained:
         return out
 
 
-def receive(args: argparse.Namespace) -> int:
+def machine_problem(python: tuple[int, int], torch: str | None) -> str | None:
+    """Why the packed site cannot run under ``python`` and ``torch`` (versions), if so."""
+    if python != PYTHON or torch is None or torch.split("+")[0] != TORCH:
+        have = f"Python {'.'.join(map(str, python))}, torch {torch or 'not installed'}"
+        return (
+            f"the parts are built for Python {'.'.join(map(str, PYTHON))} and torch {TORCH} "
+            f"(vLLM's kernels are compiled against it); this machine has {have}: pack a vLLM "
+            "that pins this torch (requirements/vllm-gpu.txt says how the list was made)"
+        )
+    return None
+
+
+def installed_torch() -> str | None:
+    """torch's version from its metadata, without importing it (seconds on a GPU machine)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def receive(args: argparse.Namespace, machine: tuple[Any, str | None] | None = None) -> int:
+    """See the module's docstring; ``machine``: (Python, torch) versions, this one's by
+    default."""
+    python, torch = machine or (sys.version_info[:2], installed_torch())
+    problem = machine_problem(tuple(python), torch)
+    if problem:  # before any part is kept: the calls left are better spent elsewhere
+        print(f"vllm_carry: {problem}")
+        return 4
     args.parts.mkdir(parents=True, exist_ok=True)
     for folder in sorted(args.carry.glob("vllm-*")):
         for path in folder.iterdir():

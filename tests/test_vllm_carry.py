@@ -45,7 +45,7 @@ def receive(tmp: Path) -> tuple[int, argparse.Namespace]:
     args = argparse.Namespace(
         carry=tmp / "repo" / ".carry", parts=tmp / "repo" / ".carry-received", site=tmp / "site"
     )
-    return carry.receive(args), args
+    return carry.receive(args, machine=(carry.PYTHON, carry.TORCH + "+cu130")), args
 
 
 def test_parts_arrive_one_call_at_a_time_and_unpack_when_all_have(tmp_path: Path) -> None:
@@ -116,3 +116,25 @@ def test_the_script_runs_on_the_standard_library_alone() -> None:
     done = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "{pack,receive,check-imports}" in done.stdout
+
+
+def test_a_machine_the_parts_are_not_built_for_is_refused_before_any_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A changed image (another torch or Python) stops the first call, not the last."""
+    assert carry.machine_problem(carry.PYTHON, carry.TORCH + "+cu130") is None
+    for python, torch in [
+        ((3, 11), carry.TORCH),
+        (carry.PYTHON, "2.13.0+cu130"),
+        (carry.PYTHON, None),
+    ]:
+        assert "the parts are built for Python 3.12 and torch 2.11.0" in str(
+            carry.machine_problem(python, torch)
+        )
+    args = argparse.Namespace(
+        carry=tmp_path / ".carry", parts=tmp_path / ".carry-received", site=tmp_path / "site"
+    )
+    (args.carry / "vllm-1").mkdir(parents=True)
+    assert carry.receive(args, machine=((3, 12), "2.14.0")) == 4
+    assert "this machine has Python 3.12, torch 2.14.0" in capsys.readouterr().out
+    assert not args.parts.exists()
