@@ -11,6 +11,8 @@
 #     turnrl's vLLM path against raw vLLM on the same engine;
 #   - the gpu-marked rollout-worker test (a Ray worker's engine on the GPU; the image has no
 #     Ray, so the parts bring it).
+# The tests run with `-W default`: warnings are shown in the log, not raised as the suite's
+# settings raise them (a warning of a vLLM never run here must not cost the lent call).
 # One after the other, not side by side: the benchmark's timings are the GPU's alone. Each
 # has a deadline, and together they end inside one call's 600 s.
 # Everything lands in $OUT: one log per part and the benchmark's JSON and Markdown.
@@ -27,7 +29,7 @@ python3 -c "import sys, torch, transformers, vllm
 print('Python', sys.version.split()[0], 'torch', torch.__version__, 'transformers',
       transformers.__version__, 'vllm', vllm.__version__)" >>"$OUT/versions.log" 2>&1
 cat "$OUT/versions.log"
-timeout 180 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_vllm_backend.py \
+timeout 180 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu tests/test_vllm_backend.py \
   >"$OUT/test_gpu.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/test_gpu.log"
 grep -E "peak|passed|failed|error|exit" "$OUT/test_gpu.log" | tail -5
@@ -35,7 +37,7 @@ timeout 240 python3 benchmarks/backends.py --sections gpu --out "$OUT/backends_g
   --runs-dir /tmp/runs >"$OUT/backends_gpu.log" 2>&1
 echo "backends exit: $?" >>"$OUT/backends_gpu.log"
 tail -12 "$OUT/backends_gpu.log"
-timeout 110 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_rollout_workers.py \
+timeout 110 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu tests/test_rollout_workers.py \
   >"$OUT/test_workers_gpu.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/test_workers_gpu.log"
 tail -3 "$OUT/test_workers_gpu.log"
