@@ -163,8 +163,10 @@ class RolloutConfig:
     the weights' memory again and recasts nothing, and a LoRA policy is merged into it, so
     the adapters cost sampling nothing. It differs from the learner by bf16 rounding, so
     ``startup_tolerance`` is bf16's and ``algorithm.off_policy`` ``auto`` is ``token_tis``.
-    ``auto``: ``bf16`` under ``model.precision = bf16-mixed``, else ``shared``. vLLM
-    always holds its own copy (bfloat16 under bf16-mixed) and ignores this setting."""
+    ``auto``: ``bf16`` under ``model.precision = bf16-mixed``, else ``shared``; ``bf16``
+    with ``float32`` gives a float32 learner and a bf16 sampler (on the tiny probe the
+    learner's bf16 stalled learning and the sampler's did not: README, "The GPU path").
+    vLLM always holds its own copy (bfloat16 under bf16-mixed) and ignores this setting."""
     startup_tolerance: float = 0.0
     """Before step 1, the sampler's log-probs of a probe batch are compared with the
     learner's: a larger gap (in nats, per token) stops the run, since training would
