@@ -21,7 +21,7 @@ import pytest
 from turnrl.tools import PythonInterpreter, Sandbox, SandboxLimits, SandboxUnavailableError
 from turnrl.tools import python_tool as make_python_tool
 from turnrl.tools import sandbox as sandbox_module
-from turnrl.tools.hostile import ATTACKS, Attack, run_attack
+from turnrl.tools.hostile import ATTACKS, Attack, run_attack, ticks_used
 from turnrl.tools.sandbox import remove_tree
 from turnrl.tools.seccomp import ABIS, RET_ALLOW, RET_KILL_PROCESS, syscall_filter
 
@@ -130,3 +130,13 @@ def test_the_python_tool_has_a_deadline_of_its_own() -> None:
     tool = make_python_tool(interp)
     assert tool.timeout_s is not None
     assert 3 + 5 < tool.timeout_s <= 3 + 5 + 60
+
+
+def test_cpu_use_between_calls_counts_the_processes_still_alive() -> None:
+    """A worker reaped between the two readings takes its ticks with it: summing each
+    reading whole read -0.01 CPU s, which the burner attack's verdict took for an escape
+    (a fresh-clone `make test`, 2026-11-27). Per process, it is what the survivors used."""
+    before = {10: 500, 11: 300, 12: 7}
+    assert ticks_used(before, {10: 500}) == 0  # 11 and 12 exited
+    assert ticks_used(before, {10: 540, 13: 20}) == 60  # 13 started since
+    assert ticks_used(before, {}) == 0

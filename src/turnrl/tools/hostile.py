@@ -121,23 +121,35 @@ def _idle_between(calls: Calls, sandbox: Sandbox) -> tuple[bool, str]:
     return ok, f"{cpu:.2f} CPU s used in {window:.1f} s between calls, {others} other processes"
 
 
-def _cpu_between(slot: SandboxSlot, interpreter: int) -> dict[str, float]:
-    """CPU seconds the slot's processes use over half a second after a call."""
+def ticks_used(before: dict[int, int], after: dict[int, int]) -> int:
+    """CPU ticks used between two readings (pid: ticks) by the processes alive at the
+    second: a process that exited in between is not counted, one that started is counted
+    whole."""
+    return sum(ticks - before.get(pid, 0) for pid, ticks in after.items())
 
-    def cpu() -> float:
-        ticks = 0
+
+def _cpu_between(slot: SandboxSlot, interpreter: int) -> dict[str, float]:
+    """CPU seconds the slot's processes use over half a second after a call: for each
+    process alive at the end, its CPU time then less its CPU time at the start (all of it
+    if it started since). Per process, since a process that exits in between takes its
+    ticks with it: a sum over all processes at each end then reads as negative use (seen
+    when the sandbox reaped the burner's last worker inside the window)."""
+
+    def cpu() -> dict[int, int]:
+        ticks = {}
         for pid in pids_of_uid(slot.uid):
             try:
                 with open(f"/proc/{pid}/stat", "rb") as f:
                     fields = f.read().rsplit(b")", 1)[1].split()
-                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+                ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
             except (OSError, ValueError, IndexError):
                 continue
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return ticks
 
     before, t0 = cpu(), time.perf_counter()
     time.sleep(0.5)
-    used, window = cpu() - before, time.perf_counter() - t0
+    after, window = cpu(), time.perf_counter() - t0
+    used = ticks_used(before, after) / os.sysconf("SC_CLK_TCK")
     others = [p for p in pids_of_uid(slot.uid) if p != interpreter]
     # bubblewrap's own two processes above the interpreter are not the code's.
     extra = max(0, len(others) - (2 if len(others) >= 2 else 0))
