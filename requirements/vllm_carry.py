@@ -78,6 +78,7 @@ PYTHON = (3, 12)
 TORCH = "2.11.0"
 """The lent machine's Python and torch, which the packed site is built for: vLLM's kernels
 are compiled against this torch, and the site's extensions for this Python."""
+RECEIVE = "python3 requirements/vllm_carry.py receive"
 ARCHIVE = "vllm-gpu.tar.xz"
 MANIFEST = "manifest.json"
 
@@ -100,8 +101,8 @@ def build_site(site: Path, requirements: Path = REQUIREMENTS) -> None:
     platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
-         "--only-binary=:all:", "--python-version", ".".join(map(str, PYTHON)), "--implementation", "cp",
-         *platforms, "--target", str(site), "-r", str(requirements)],
+         "--only-binary=:all:", "--python-version", ".".join(map(str, PYTHON)),
+         "--implementation", "cp", *platforms, "--target", str(site), "-r", str(requirements)],
         check=True,
     )  # fmt: skip
     for relative in STRIP:
@@ -148,13 +149,9 @@ def pack(args: argparse.Namespace) -> None:
     print(f"{archive}: {size:.1f} MiB in {len(parts)} parts under {args.out}")
     print("Calls, back to back (the lent machine stays warm 30 s after each):")
     for k, part in enumerate(parts, 1):
-        carry = [str(part.parent.relative_to(ROOT))]
+        carry = [os.path.relpath(part.parent, ROOT)]
         last = k == len(parts)
-        command = (
-            "bash benchmarks/gpu_vllm_checks.sh"
-            if last
-            else ("python3 requirements/vllm_carry.py receive")
-        )
+        command = "bash benchmarks/gpu_vllm_checks.sh" if last else RECEIVE
         print(f"  {k}. carry {carry}: {command}")
 
 
