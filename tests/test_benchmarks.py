@@ -56,6 +56,20 @@ def curve_ok(curve: list[list[float]], steps: int) -> None:
 # --------------------------------------------------------------------------- per script
 
 
+def bf16_gradients(data: dict[str, Any], tmp: Path) -> None:
+    assert data["steps"] == 2 == len(data["runs"])
+    assert Path(data["run_dir"]).is_relative_to(tmp)
+    curve_ok([(s, 0.0, v) for s, v in data["curve"]], 2)
+    for row in data["runs"]:
+        # bf16 and float32 gradients of one batch: close, but not equal
+        assert 0.5 < row["grad_cosine"] <= 1.0 + 1e-9
+        assert 0.0 < row["grad_relative_error"] < 1.0
+        assert -1.0 <= row["adam_update_cosine"] <= 1.0 + 1e-9
+        assert row["halves_cosine"] is None or -1.0 <= row["halves_cosine"] <= 1.0 + 1e-9
+        assert row["grad_norm"] > 0
+    assert set(data["summary"]) >= {"grad_cosine", "grad_relative_error", "adam_update_cosine"}
+
+
 def copying(data: dict[str, Any], tmp: Path) -> None:
     assert data["num_words"] == 3
     (row,) = data["runs"]
@@ -281,6 +295,7 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
 
 
 CHECKS: dict[str, Check] = {
+    "bf16_gradients": bf16_gradients,
     "copying": copying,
     "endpoint": endpoint,
     "env_learning": env_learning,
