@@ -131,7 +131,8 @@ def cpu_name() -> str:
             info.setdefault(key.strip(), value.strip())
     except OSError:
         return platform.processor() or platform.machine()
-    return f"{info.get('model name', '?')}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+    family, model = info.get("cpu family", "?"), info.get("model", "?")
+    return f"{info.get('model name', '?')}, family {family} model {model}"
 
 
 def spread(values: list[float | None]) -> dict[str, float]:
