@@ -12,7 +12,8 @@ in all; 10 min 10 s in `make test`, beside the other lane). On another (AMD EPYC
 model 17, 2026-11-27) seed 2 rose to 0.72 by step 200 and stayed below 0.8 for 300 steps,
 and seed 3 went 0.25, 0.41, 0.59, 0.91 at steps 150-180 (7 min alone). The start-up
 check runs on the workers' engines (the driver builds none of its own). Runs in
-.venv-vllm (`make test` runs it there, beside the learning tests of .venv) and skips where vLLM or Ray is not installed.
+.venv-vllm (`make test` runs it there, beside the learning tests of .venv) and skips where
+vLLM or Ray is not installed.
 """
 
 from __future__ import annotations
