@@ -12,8 +12,9 @@ depends on the CPU and the thread count. Measured with these settings: on one 2-
 machine seed 1 reached 0.86 at step 100; on another (AMD EPYC, family 25 model 17,
 2026-11-27) seed 1 did not reach 0.8 in 200 steps (0.06-0.17 held-out over its first
 120) nor did seed 0 (0.05-0.20), while seed 2 took off there (0.17 at step 70, 0.88 at
-step 110), where it was the slow seed on the first machine (benchmarks/results/learning_proof.md). One seed
-made the test pass or fail with the machine, so it tries seed 1, then seed 2.
+step 110), where it was the slow seed on the first machine
+(benchmarks/results/learning_proof.md). One seed made the test pass or fail with the
+machine, so it tries seed 1, then seed 2.
 """
 
 from __future__ import annotations
