@@ -6,6 +6,7 @@ the deadline, and no rank process outlives the group."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -21,7 +22,12 @@ from torch.distributed.tensor import DTensor
 from test_learner import algo
 from turnrl.distributed import LearnerGroup, LearnerRankError, wire
 from turnrl.distributed.learner_group import shard_by_tokens, split_batch
-from turnrl.distributed.rank import ShardedLearner, decoder_layers, untied_embeddings
+from turnrl.distributed.rank import (
+    ShardedLearner,
+    decoder_layers,
+    untied_embeddings,
+    whole_weights,
+)
 from turnrl.errors import TurnrlError
 from turnrl.models import load_model
 from turnrl.models.tiny import TinyModelConfig, build_tiny_model
@@ -75,6 +81,37 @@ def full_grads(learner: ShardedLearner) -> dict[str, torch.Tensor]:
 
 def raise_value_error(learner: ShardedLearner) -> None:
     raise ValueError("raised on purpose")
+
+
+def segfault_on_rank_1(learner: ShardedLearner) -> None:
+    """Rank 1 reads address 0 (a real segmentation fault); rank 0 returns."""
+    if torch.distributed.get_rank() == 1:
+        ctypes.string_at(0)
+
+
+class Uneven(torch.nn.Module):
+    """Weights whose first dimension does not split evenly over 2 ranks (3 rows: 2 and 1)
+    or leaves rank 1 nothing (1 row), a vector, and an output layer tied to the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd = torch.nn.Linear(5, 3)
+        self.single = torch.nn.Parameter(torch.randn(1, 4))
+        self.embed = torch.nn.Embedding(7, 5)
+        self.out = torch.nn.Linear(5, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+
+def uneven_whole_weights(learner: ShardedLearner) -> tuple[dict[str, Any], dict[str, Any]]:
+    """On every rank: ``Uneven`` built from one seed, then sharded over the ranks; its
+    weights before sharding and ``whole_weights``'s (rank 0: whole; rank 1: empty)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    module = Uneven()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    fully_shard(module)
+    return before, whole_weights(module)
 
 
 def in_process(model_dir: Path) -> Learner:
@@ -418,6 +455,38 @@ def test_a_killed_rank_is_named_within_the_deadline(tiny_model_dir: Path) -> Non
     assert_gone(pids)
     with pytest.raises(TurnrlError, match="closed"):
         group.step(batch())
+
+
+def test_whole_weights_are_gathered_from_uneven_and_empty_shards(
+    groups: dict[int, tuple[LearnerGroup, dict[str, Any]]],
+) -> None:
+    """The weight sync's gather: shards of 2 and 1 rows, of 1 row and none, a vector; the
+    tied output layer is the embedding's tensor under both names; rank 1 gets nothing."""
+    (before, whole), (_, on_rank_1) = fresh(groups, 2).call(uneven_whole_weights)
+    assert sorted(whole) == sorted(before)
+    for name, tensor in before.items():
+        assert torch.equal(whole[name], tensor), name
+        assert whole[name].device.type == "cpu"
+    assert whole["out.weight"] is whole["embed.weight"]
+    assert on_rank_1 == {}
+
+
+def test_a_rank_that_segfaults_is_named_with_its_python_stack(tiny_model_dir: Path) -> None:
+    """A rank killed by a fatal signal in native code leaves no traceback of its own: the
+    error quotes the Python stack faulthandler wrote as it died, down to the function."""
+    group = LearnerGroup(tiny_model_dir, CONFIG, num_ranks=2, temperature=1.0, timeout_s=30)
+    pids = group.pids
+    crash_dir = Path(group._ranks._crash_dir)  # type: ignore[attr-defined]
+    with pytest.raises(LearnerRankError) as e:
+        group.call(segfault_on_rank_1)
+    message = str(e.value)
+    assert message.startswith("rank 1 died (exit code -11) during call segfault_on_rank_1")
+    assert "rank 1's stack as it died:" in message
+    assert "Fatal Python error: Segmentation fault" in message
+    assert "in segfault_on_rank_1" in message
+    assert e.value.ranks == (1,)
+    assert_gone(pids)
+    assert not crash_dir.exists()
 
 
 def test_a_hung_rank_misses_the_deadline_and_the_group_stops(tiny_model_dir: Path) -> None:

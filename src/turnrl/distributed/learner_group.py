@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
+import tempfile
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,6 +44,8 @@ from turnrl.rollout.batch import Batch
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.types import Sample
 
+CRASH_LINES = 60
+"""How many lines of a dead rank's stack (its fatal-signal report) its error quotes."""
 CLOSE_TIMEOUT_S = 10.0
 """How long ``close`` waits for the ranks to leave the group before it kills them."""
 FAILURE_GRACE_S = 1.0
@@ -312,7 +316,10 @@ class LearnerGroup:
         self._fail(f"rank {rank} failed in {label}: {last}\n{text}", [rank], label)
 
     def _deaths(self, dead: list[int], label: str) -> str:
-        return "; ".join(f"rank {r} died ({self._ranks.death(r)}) during {label}" for r in dead)
+        """Each dead rank named with how it died, then the stacks of those that left one."""
+        named = "; ".join(f"rank {r} died ({self._ranks.death(r)}) during {label}" for r in dead)
+        stacks = [(r, self._ranks.last_stack(r)) for r in dead]
+        return named + "".join(f"\nrank {r}'s stack as it died:\n{s}" for r, s in stacks if s)
 
     def _fail(self, message: str, ranks: Sequence[int], label: str) -> None:
         """Stop every rank (a failed step cannot be continued) and raise."""
@@ -341,6 +348,10 @@ class Ranks(Protocol):
         """How ``rank`` died: "exit code -9"."""
         ...
 
+    def last_stack(self, rank: int) -> str:
+        """The Python stacks ``rank`` left when a fatal signal killed it ("" if none)."""
+        ...
+
     def await_deaths(self, ranks: Sequence[int], timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for any of ``ranks`` to be found dead."""
 
@@ -358,9 +369,12 @@ class Ranks(Protocol):
 class LocalRanks:
     """The ranks as processes of this one (``torch.multiprocessing`` spawn) on this
     machine, joined through a store on a free local port (held here), each called over a
-    queue and answering over a pipe. A rank exits with the driver's process."""
+    queue and answering over a pipe. A rank exits with the driver's process. A rank that
+    dies of a fatal signal leaves its threads' Python stacks in a file of a private
+    directory (faulthandler), which ``death`` quotes."""
 
     def __init__(self, spec: RankSpec, num_ranks: int) -> None:
+        self._crash_dir = tempfile.mkdtemp(prefix="turnrl-ranks-")
         # The rendezvous: a store on a free port (the OS picks it), held here.
         self._store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", 0, is_master=True, wait_for_workers=False
@@ -375,15 +389,23 @@ class LocalRanks:
             answers, answer_end = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=serve, name=f"turnrl-learner-rank{rank}", daemon=True,
-                args=(rank, num_ranks, address, spec, commands, answer_end, os.getpid()),
+                args=(
+                    rank, num_ranks, address, spec, commands, answer_end, os.getpid(),
+                    self._crash_file(rank),
+                ),
             )  # fmt: skip
             process.start()
             answer_end.close()
             self._commands.append(commands)
             self._answers.append(answers)
             self._processes.append(process)
-        self._finalizer = weakref.finalize(self, _kill, list(self._processes))
+        self._finalizer = weakref.finalize(
+            self, _kill, list(self._processes), crash_dir=self._crash_dir
+        )
         self._released = False
+
+    def _crash_file(self, rank: int) -> str:
+        return os.path.join(self._crash_dir, f"rank{rank}.crash")
 
     def send(self, rank: int, payload: bytes) -> None:
         self._commands[rank].put(payload)  # a feeder thread writes it
@@ -413,6 +435,15 @@ class LocalRanks:
     def death(self, rank: int) -> str:
         return f"exit code {self._processes[rank].exitcode}"
 
+    def last_stack(self, rank: int) -> str:
+        try:
+            with open(self._crash_file(rank)) as report:
+                lines = report.read().strip().splitlines()
+        except OSError:
+            return ""
+        cut = [f"[{len(lines) - CRASH_LINES} more lines]"] if len(lines) > CRASH_LINES else []
+        return "\n".join(lines[:CRASH_LINES] + cut)
+
     def await_deaths(self, ranks: Sequence[int], timeout_s: float) -> None:
         wait([self._processes[r].sentinel for r in ranks], timeout_s)
 
@@ -428,7 +459,7 @@ class LocalRanks:
         self.kill()
 
     def kill(self) -> None:
-        _kill(self._processes)
+        _kill(self._processes, crash_dir=self._crash_dir)
         if self._released:
             return
         self._released = True
@@ -440,14 +471,16 @@ class LocalRanks:
         self._finalizer.detach()
 
 
-def _kill(processes: Sequence[Any]) -> None:
+def _kill(processes: Sequence[Any], crash_dir: str = "") -> None:
     """Kill and reap every process still running (a hung collective ignores anything
-    gentler; a stopped process too)."""
+    gentler; a stopped process too), then delete ``crash_dir``."""
     for process in processes:
         if process.exitcode is None:
             process.kill()
     for process in processes:
         process.join(5.0)
+    if crash_dir:
+        shutil.rmtree(crash_dir, ignore_errors=True)
 
 
 def _listed(ranks: Sequence[int]) -> str:

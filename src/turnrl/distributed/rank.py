@@ -34,6 +34,7 @@ reward, the critic's values) run with every unit gathered once first (``gathered
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import math
 import os
 import threading
@@ -527,11 +528,57 @@ _GATHERED: list[Any] = []
 
 def full_state_dict(learner: ShardedLearner) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0, on the CPU (other ranks: empty)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return whole_weights(learner.root)
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(learner.root, options=options)  # plain CPU tensors, whole
-    return cast(dict[str, torch.Tensor], weights)
+
+def whole_weights(root: Any) -> dict[str, torch.Tensor]:
+    """``root.state_dict()`` with each sharded weight made whole, on rank 0, as plain CPU
+    tensors (other ranks: empty); tied weights stay one tensor under both names.
+
+    Each weight is gathered to rank 0 alone, one blocking ``dist.gather`` of the ranks'
+    shards padded to one size, a weight at a time (a rank holds one whole weight at most).
+    It replaces torch's ``get_model_state_dict``, whose gather goes through DTensor's
+    asynchronous functional collectives. In that call a gloo rank died three times in
+    this project's runs (a segmentation fault at the 43rd and at the 240th weight sync of
+    two vLLM learning runs; glibc's heap-corruption abort once under pytest-xdist), and
+    never in 3,500 syncs run alone (steps between, the CPU idle or loaded). Whether that
+    path was the cause is not established; this one has fewer moving parts, and a dead
+    rank's stack is now quoted (learner_group.py)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for name, value in root.state_dict(keep_vars=True).items():
+        if id(value) not in seen:
+            seen[id(value)] = _whole(value, rank, world)
+        if rank == 0:
+            out[name] = seen[id(value)]
+    return out
+
+
+def _whole(value: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``value`` whole on rank 0, a CPU copy (other ranks: an empty tensor). A DTensor
+    sharded on its first dimension (FSDP2's layout: ``torch.chunk``'s pieces, the last
+    ones possibly short or empty) is gathered; any other DTensor is made whole by torch."""
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(value, DTensor):
+        return value.detach().to("cpu", copy=True) if rank == 0 else torch.empty(0)
+    mesh = value.device_mesh
+    shard = cast(DTensor, value.detach())
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        whole = shard.full_tensor()
+        return whole.to("cpu", copy=True) if rank == 0 else torch.empty(0)
+    local = shard.to_local()
+    rows = value.shape[0]
+    per = -(-rows // world)  # torch.chunk's piece size
+    padded = local.new_zeros((per, *value.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+    dist.gather(padded, parts, dst=0, group=mesh.get_group())
+    if parts is None:
+        return torch.empty(0)
+    sizes = [min(per, max(0, rows - r * per)) for r in range(world)]
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)]).cpu()
 
 
 def state_dict(learner: ShardedLearner) -> dict[str, Any]:
@@ -686,10 +733,16 @@ def serve(
     commands: Any,
     answers: Connection,
     parent_pid: int,
+    crash_file: str = "",
 ) -> None:
     """A rank's process: join the group, build the learner, answer the driver's calls
     (``commands``: (name, args) items; each answer is ("ok", value) or ("error", text))
-    until ("close", ()) or until the driver is gone."""
+    until ("close", ()) or until the driver is gone. ``crash_file``: where the Python stack
+    of every thread goes if the process dies of a fatal signal (a segfault, an abort), for
+    the driver to quote in its error."""
+    if crash_file:
+        report = open(crash_file, "w")  # noqa: SIM115 - held open until the process ends
+        faulthandler.enable(file=report, all_threads=True)
     _exit_with_parent(parent_pid)
     try:
         learner = join_group(rank, world, store_address, spec, device_index=rank)

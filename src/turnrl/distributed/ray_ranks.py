@@ -125,6 +125,11 @@ class RayRanks:
     def death(self, rank: int) -> str:
         return self._dead.get(rank, "alive")
 
+    def last_stack(self, rank: int) -> str:
+        """Always empty: an actor's fatal-signal report goes to its Ray worker log, which
+        Ray streams to the driver's console."""
+        return ""
+
     def await_deaths(self, ranks: Sequence[int], timeout_s: float) -> None:
         refs = {self._pending[r]: r for r in ranks if r not in self._dead}
         if not refs:
