@@ -13,8 +13,8 @@ Ray cluster, or on the one at ``cluster.address``, each asking Ray for a CPU, an
 as well when the policy is on one (``worker_resources``). A batch of tasks is cut into
 contiguous shards, one per worker, and the groups come back in task order. An episode's
 seed depends only on (run seed, task, sample index), so a task's episodes do not depend on
-which worker ran them. The engines' floating-point work can still differ slightly with the batch they
-share, so only one worker reproduces the in-process run bit for bit.
+which worker ran them. The engines' floating-point work can still differ slightly with the
+batch they share, so only one worker reproduces the in-process run bit for bit.
 
 Weight sync: the learner's whole state dict (LoRA merged) goes once into Ray's object
 store (shared memory on a node), and every worker loads it with the driver's policy
