@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,25 @@ class UntilSuccess:
             self.curve.append((int(row["step"]), row["eval/success_mean"]))
             if row["eval/success_mean"] >= self.bar:
                 raise Reached
+
+
+def first_to_reach(
+    bar: float,
+    attempts: Sequence[tuple[int, int]],
+    run: Callable[[int, int, UntilSuccess], object],
+) -> UntilSuccess:
+    """A learning test's seeds: ``run(seed, steps, on_row)`` for each (seed, steps) of
+    ``attempts`` in turn until one reaches ``bar`` held-out success; that run's
+    ``UntilSuccess``. When none does, the test fails with every curve."""
+    curves = {}
+    for seed, steps in attempts:
+        until = UntilSuccess(bar)
+        try:
+            run(seed, steps, until)
+        except Reached:
+            return until
+        curves[seed] = until.curve
+    pytest.fail(f"no seed reached {bar:g} held-out success; curves (step, success): {curves}")
 
 
 def pytest_configure(config: pytest.Config) -> None:

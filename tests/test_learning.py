@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Reached, UntilSuccess
+from conftest import UntilSuccess, first_to_reach
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
@@ -40,8 +40,8 @@ def test_rl_learns_the_secret_lookup_probe(tmp_path: Path) -> None:
     step beside another learning run: seed 1 alone took 6.3 and 7.4 minutes in two fresh
     clones' `make test` on the first machine; on the second, seed 1's 120 steps and then
     seed 2's 110 took 12.6 minutes beside a vLLM learning run."""
-    curves = {}
-    for seed, steps in ATTEMPTS:
+
+    def run(seed: int, steps: int, on_row: UntilSuccess) -> None:
         config = load_config(
             "quickstart",
             [
@@ -54,13 +54,9 @@ def test_rl_learns_the_secret_lookup_probe(tmp_path: Path) -> None:
                 "eval.num_tasks=64",
             ],
         )
-        run = UntilSuccess(0.8)
-        try:
-            train(config, tmp_path / f"seed{seed}", progress=False, on_row=run)
-        except Reached:
-            assert run.curve[0][1] <= 0.2, run.curve  # after the warm-up: about chance, 1 in 12
-            # the tool is called with the right key and its value copied
-            assert run.rows[-1]["rollout/tool_calls_mean"] > 0.9
-            return
-        curves[seed] = run.curve
-    pytest.fail(f"no seed reached 0.8 held-out success; curves (step, success): {curves}")
+        train(config, tmp_path / f"seed{seed}", progress=False, on_row=on_row)
+
+    reached = first_to_reach(0.8, ATTEMPTS, run)
+    assert reached.curve[0][1] <= 0.2, reached.curve  # after the warm-up: about chance, 1 in 12
+    # the tool is called with the right key and its value copied
+    assert reached.rows[-1]["rollout/tool_calls_mean"] > 0.9

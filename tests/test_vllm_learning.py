@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 pytest.importorskip("ray", reason="Ray is not installed")
 
-from conftest import Reached, UntilSuccess
+from conftest import UntilSuccess, first_to_reach
 from turnrl.api import train
 from turnrl.trainer.config import load_config
 
@@ -41,8 +41,8 @@ one CPU and not in 300 steps on another (AMD EPYC, family 25 model 17), where se
 def test_the_probe_learns_with_vllm_on_two_rollout_workers_and_two_learner_ranks(
     tmp_path: Path,
 ) -> None:
-    curves = {}
-    for seed, steps in ATTEMPTS:
+
+    def run(seed: int, steps: int, on_row: UntilSuccess) -> None:
         config = load_config(
             "quickstart",
             [
@@ -52,15 +52,10 @@ def test_the_probe_learns_with_vllm_on_two_rollout_workers_and_two_learner_ranks
                 "save_every=1000", "eval.every=10", "eval.num_tasks=64",
             ],
         )  # fmt: skip
-        run = UntilSuccess(0.8)
-        try:
-            train(config, out=tmp_path / f"seed{seed}", progress=False, on_row=run)
-        except Reached:
-            break
-        curves[seed] = run.curve
-    else:
-        pytest.fail(f"no seed reached 0.8 held-out success; curves (step, success): {curves}")
-    curve, rows = run.curve, run.rows
+        train(config, out=tmp_path / f"seed{seed}", progress=False, on_row=on_row)
+
+    reached = first_to_reach(0.8, ATTEMPTS, run)
+    curve, rows = reached.curve, reached.rows
     assert curve[0][1] <= 0.2, curve  # it started from about chance (1 in 12)
     trained = [r for r in rows if "train/logprob_mismatch_max" in r]
     assert len(trained) == curve[-1][0]  # every step was sampled by vLLM and trained on
