@@ -371,7 +371,7 @@ class LocalRanks:
     machine, joined through a store on a free local port (held here), each called over a
     queue and answering over a pipe. A rank exits with the driver's process. A rank that
     dies of a fatal signal leaves its threads' Python stacks in a file of a private
-    directory (faulthandler), which ``death`` quotes."""
+    directory (faulthandler), which ``last_stack`` reads for the error."""
 
     def __init__(self, spec: RankSpec, num_ranks: int) -> None:
         self._crash_dir = tempfile.mkdtemp(prefix="turnrl-ranks-")

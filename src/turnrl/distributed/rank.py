@@ -48,7 +48,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from turnrl.backends.hf_cache import cache_kwargs, returned_cache
 from turnrl.distributed import wire
@@ -559,8 +559,6 @@ def _whole(value: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """``value`` whole on rank 0, a CPU copy (other ranks: an empty tensor). A DTensor
     sharded on its first dimension (FSDP2's layout: ``torch.chunk``'s pieces, the last
     ones possibly short or empty) is gathered; any other DTensor is made whole by torch."""
-    from torch.distributed.tensor import Shard
-
     if not isinstance(value, DTensor):
         return value.detach().to("cpu", copy=True) if rank == 0 else torch.empty(0)
     mesh = value.device_mesh
