@@ -37,7 +37,10 @@ timeout 240 python3 benchmarks/backends.py --sections gpu --out "$OUT/backends_g
   --runs-dir /tmp/runs >"$OUT/backends_gpu.log" 2>&1
 echo "backends exit: $?" >>"$OUT/backends_gpu.log"
 tail -12 "$OUT/backends_gpu.log"
-timeout 110 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu tests/test_rollout_workers.py \
-  >"$OUT/test_workers_gpu.log" 2>&1
-echo "pytest exit: $?" >>"$OUT/test_workers_gpu.log"
-tail -3 "$OUT/test_workers_gpu.log"
+# SKIP_WORKERS=1 leaves it out (a rerun after it passed, where device time is short).
+if [ -z "${SKIP_WORKERS:-}" ]; then
+  timeout 110 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu \
+    tests/test_rollout_workers.py >"$OUT/test_workers_gpu.log" 2>&1
+  echo "pytest exit: $?" >>"$OUT/test_workers_gpu.log"
+  tail -3 "$OUT/test_workers_gpu.log"
+fi

@@ -279,13 +279,105 @@ def test_a_vllm_run_with_narrow_heads_stops_before_building_the_model(tmp_path: 
     assert not (tmp_path / "run" / "base_model").exists()
 
 
-def test_the_vllm_engine_runs_in_this_process_on_every_device() -> None:
+class CuMemEngine:
+    """A test double for a sleep-mode vLLM engine's memory, strict as vLLM 0.26's cumem
+    allocator on a GPU: waking a tag that is mapped fails, as does sleeping one that is
+    released. It records the calls that reach it."""
+
+    def __init__(self) -> None:
+        self.mapped = {"weights", "kv_cache"}
+        self.calls: list[tuple[str, Any]] = []
+
+    def sleep(self, level: int) -> None:
+        if self.mapped != {"weights", "kv_cache"}:
+            raise RuntimeError(f"released twice: {sorted({'weights', 'kv_cache'} - self.mapped)}")
+        self.mapped.clear()
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for tag in tags or ["weights", "kv_cache"]:
+            if tag in self.mapped:
+                raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:169")
+            self.mapped.add(tag)
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method: Any) -> None:
+        self.calls.append(("reload", sorted(self.mapped)))
+
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        return True
+
+
+def test_a_sleeping_engine_wakes_each_part_once_across_syncs_and_rollouts() -> None:
+    """The colocated GPU cycle, on a CPU: sleep after a rollout, then a sync wakes the
+    weights, loads the new ones, then wakes the KV cache alone (on the lent H100 it woke
+    everything again, and vLLM's allocator failed mapping the weights twice). Waking an
+    awake engine and sleeping a sleeping one reach vLLM not at all."""
+    from turnrl.backends.vllm_backend import VLLMBackend
+
+    backend = object.__new__(VLLMBackend)  # the sleep logic alone, without starting vLLM
+    backend.llm, backend.sleeps, backend.asleep_tags = CuMemEngine(), True, set()
+    backend.weights_of = lambda model: model.state_dict()
+    backend.policy_version = backend.syncs = 0
+    model = torch.nn.Linear(2, 2)
+    for _ in range(3):
+        backend.sleep()
+        backend.sleep()
+        assert backend.asleep
+        backend.sync(model)
+        assert not backend.asleep
+        backend.wake_up()  # before a rollout: already awake
+    assert backend.llm.calls == 3 * [
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        ("reload", ["weights"]),  # the KV cache stays released while the weights load
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache", None),
+    ]
+    assert backend.syncs == 3
+    assert backend.policy_version == 3
+
+    backend.sleep()
+    backend.wake_up(["weights"])
+    backend.sleep()  # half awake: the rest wakes before the whole engine sleeps again
+    assert backend.llm.calls[-3:] == [
+        ("wake_up", ["weights"]),
+        ("wake_up", ["kv_cache"]),
+        ("sleep", 1),
+    ]
+    backend.sleeps = False
+    backend.wake_up()
+    calls = len(backend.llm.calls)
+    backend.sleep()  # an engine without sleep mode never sleeps
+    assert len(backend.llm.calls) == calls
+    assert not backend.asleep
+
+
+def test_the_vllm_engine_runs_in_this_process_on_every_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On a GPU too: ``reload_weights`` is handed the learner's tensors, which vLLM's own
     engine process would need serialised (it refuses the function that carries them). Only
-    a CPU engine gets the 1 GiB KV cache."""
-    from turnrl.backends.vllm_backend import engine_environment
+    a CPU engine gets the 1 GiB KV cache; a GPU engine without FlashInfer gets vLLM's own
+    sampler (on the lent H100, vLLM 0.26's sampler failed importing FlashInfer)."""
+    import importlib.util
 
-    assert engine_environment(on_gpu=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    from turnrl.backends import vllm_backend
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == "flashinfer" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert vllm_backend.engine_environment(on_gpu=True) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
+    assert vllm_backend.engine_environment(on_gpu=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    engine_environment = vllm_backend.engine_environment
     assert engine_environment(on_gpu=False) == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",

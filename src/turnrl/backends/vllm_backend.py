@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -45,13 +46,22 @@ from turnrl.types import Completion, FinishReason, GenerationRequest
 T = TypeVar("T")
 
 
+SLEEP_TAGS = ("weights", "kv_cache")
+"""The parts of a sleeping engine's memory vLLM wakes by name, in the order turnrl wakes
+them: the weights (offloaded to host memory at sleep level 1) and the KV cache (freed)."""
+
+
 def engine_environment(on_gpu: bool) -> dict[str, str]:
     """vLLM's settings turnrl sets before importing it, unless already set: the engine in
     this process on every device (weights go in by reference); on a CPU, a 1 GiB KV cache
-    (vLLM's CPU default takes a share of memory meant for a server)."""
+    (vLLM's CPU default takes a share of memory meant for a server); on a GPU without
+    FlashInfer, vLLM's own sampler (vLLM 0.26's GPU sampler imports FlashInfer unless told
+    not to, and FlashInfer is an optional install)."""
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if not on_gpu:
         environment["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    elif importlib.util.find_spec("flashinfer") is None:
+        environment["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return environment
 
 
@@ -123,7 +133,8 @@ class VLLMBackend:
         memory; the next sync or rollout wakes it."""
         if self.sleeps:
             options["enable_sleep_mode"] = True
-        self.asleep = False
+        self.asleep_tags: set[str] = set()
+        """The parts of the engine's memory (``SLEEP_TAGS``) that are released now."""
         options.update(engine_options)
         self._vllm = vllm
         # Starting an engine changes torch for the whole process: vLLM sets its thread
@@ -314,18 +325,31 @@ class VLLMBackend:
         if not self.llm.reset_prefix_cache():
             raise BackendError("vLLM could not reset its prefix cache after a weight sync")
 
+    @property
+    def asleep(self) -> bool:
+        """Whether any part of the engine's memory is released."""
+        return bool(self.asleep_tags)
+
     def sleep(self) -> None:
         """With sleep mode: offload the weights to host memory and free the KV cache until
         the engine is needed again (the learner steps in between)."""
-        if self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        if not self.sleeps or self.asleep_tags == set(SLEEP_TAGS):
+            return
+        self.wake_up()  # a part still asleep would be released twice
+        self.llm.sleep(level=1)
+        self.asleep_tags = set(SLEEP_TAGS)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Reallocate what ``sleep`` released (``tags``: part of it, e.g. ``weights``)."""
-        if self.asleep:
-            self.llm.wake_up(tags=list(tags) if tags is not None else None)
-            self.asleep = tags is not None and "kv_cache" not in tags
+        """Reallocate what ``sleep`` released (``tags``: part of it, e.g. ``weights``). Only
+        the parts still asleep are named to vLLM: its allocator maps every allocation of a
+        tag it is given, and mapping one that is mapped fails ("CUDA Error: invalid
+        argument at cumem_allocator.cpp:169", vLLM 0.26 on an H100)."""
+        waking = [tag for tag in SLEEP_TAGS if tag in self.asleep_tags]
+        if tags is not None:
+            waking = [tag for tag in waking if tag in tags]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.asleep_tags.difference_update(waking)
 
     def sync(self, model: Any) -> None:
         """After an update: ``load_weights`` and bump ``policy_version``. A sleeping engine
