@@ -516,7 +516,10 @@ def write(
         "turn_tokens": args.turn_tokens, "warmup_steps": args.warmup_steps,
         "repeats": args.repeats, "engine_startup_s": startup_s,
     }  # fmt: skip
-    command = " ".join([".venv-vllm/bin/python benchmarks/backends.py", *sys.argv[1:]])
+    python, root = Path(sys.executable), Path(__file__).resolve().parent.parent
+    if python.is_relative_to(root):  # .venv-vllm here; the lent GPU machine's own python3
+        python = python.relative_to(root)
+    command = " ".join([f"{python} benchmarks/backends.py", *sys.argv[1:]])
     data = {**meta, "command": command, "tiny": tiny, "sync": sync, "gpu": gpu}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=2))
@@ -524,7 +527,7 @@ def write(
         "# turnrl's samplers against raw vLLM",
         "",
         f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, vLLM {meta['vllm']}, "
-        f"float32; tiny model (hidden 64, 2 layers, 2 heads) after {args.warmup_steps} "
+        f"tiny model (float32, hidden 64, 2 layers, 2 heads) after {args.warmup_steps} "
         f"warm-up steps; the samplers in turn, {args.repeats} times, the vLLM ones on one "
         "engine, each run from an empty prefix cache; medians, and the median of each "
         "repeat's wall-time ratio to raw-vllm. raw-vllm-ids: raw vLLM with "

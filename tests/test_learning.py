@@ -27,9 +27,12 @@ from conftest import UntilSuccess, first_to_reach
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
-ATTEMPTS = ((1, 120), (2, 200))
-"""(seed, steps): seed 1 reached 0.8 at step 100 where it takes off (a step budget, not a
-time budget: the same run everywhere), seed 2 at step 110."""
+ATTEMPTS = ((2, 150), (1, 200))
+"""(seed, steps), tried in turn (a step budget, not a time budget: the same run everywhere).
+Seed 2 reached 0.8 at step 110 on both CPUs it ran on. Seed 1 reached it at step 100 on
+one, and not in 200 steps on the other (AMD EPYC, family 25 model 17), where the float
+rounding of the same run differs: it goes second, so that `make test` does not pay for it
+first there (about 5 minutes)."""
 
 
 @pytest.mark.learning
