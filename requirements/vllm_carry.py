@@ -153,6 +153,7 @@ def pack(args: argparse.Namespace) -> None:
         last = k == len(parts)
         command = "bash benchmarks/gpu_vllm_checks.sh" if last else RECEIVE
         print(f"  {k}. carry {carry}: {command}")
+    print(f"  {len(parts) + 1}. nothing carried: CHECKS=learn bash benchmarks/gpu_vllm_checks.sh")
 
 
 # --------------------------------------------------------------------------- receive
