@@ -412,6 +412,15 @@ def test_checkpoint_state_round_trips_across_group_sizes(groups: Any) -> None:
     state = two.state_dict()
     assert set(state) == {"model", "optimizer"}
     assert max_diff(state["model"], two.full_state_dict()) == 0.0
+    # gathered whole, on the CPU, keyed by parameter name, as set_state_dict loads it
+    moments = state["optimizer"]["state"]
+    assert moments
+    assert set(moments) <= set(state["model"])
+    for name, moment in moments.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert moment[key].shape == state["model"][name].shape, (name, key)
+            assert moment[key].device.type == "cpu"
+    assert all(isinstance(p, str) for g in state["optimizer"]["param_groups"] for p in g["params"])
     two.step(batch(seed=5))
     expected = two.full_state_dict()
 

@@ -581,18 +581,42 @@ def _whole(value: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def state_dict(learner: ShardedLearner) -> dict[str, Any]:
     """Model and optimizer state, whole, on rank 0 (optimizer state keyed by parameter
-    name)."""
+    name), as CPU tensors; other ranks: empty.
+
+    torch's ``get_state_dict`` gives each rank its shards (no collective), in the layout
+    its ``full_state_dict`` option would give whole and ``set_state_dict`` loads; each
+    sharded tensor is then made whole by ``_whole``, the weight sync's gather, rather than
+    by that option's DTensor collectives, the path in which a rank died (``whole_weights``).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     fresh = not learner.optimizer.state
-    model, optimizer = get_state_dict(learner.root, learner.optimizer, options=options)
+    model, optimizer = get_state_dict(
+        learner.root, learner.optimizer, options=StateDictOptions(full_state_dict=False)
+    )
     if fresh:
         # Reading the state of an optimizer that has not stepped makes its state (a zero
         # step taken, which changes Adam's next update): undo that, say it is fresh.
         learner.optimizer.state.clear()
         optimizer = {**optimizer, "state": {}}
-    return {"model": model, "optimizer": optimizer}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    whole = _whole_tree({"model": model, "optimizer": optimizer}, rank, world, {})
+    return cast(dict[str, Any], whole) if rank == 0 else {}
+
+
+def _whole_tree(tree: Any, rank: int, world: int, seen: dict[int, torch.Tensor]) -> Any:
+    """``tree`` (nested dicts and lists, as a state dict is) with every tensor made whole on
+    rank 0 by ``_whole``, in the same order on every rank; a tensor met twice (tied
+    weights) is gathered once and stays one tensor."""
+    if isinstance(tree, torch.Tensor):
+        if id(tree) not in seen:
+            seen[id(tree)] = _whole(tree, rank, world)
+        return seen[id(tree)]
+    if isinstance(tree, dict):
+        return {key: _whole_tree(value, rank, world, seen) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_whole_tree(value, rank, world, seen) for value in tree)
+    return tree
 
 
 def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
@@ -629,19 +653,18 @@ def load_critic_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor
 def critic_state_dict(learner: ShardedLearner) -> dict[str, Any]:
     """The critic's state whole, in the one-process ``Critic.state_dict`` layout (the head,
     its optimizer's state by parameter index and, for a separate value model, the trunk),
-    on every rank: a resume with any number of ranks, 0 included, loads it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    on rank 0 (other ranks: empty): a resume with any number of ranks, 0 included, loads
+    it. Sharded tensors are gathered as the weight sync gathers them (``whole_weights``)."""
     critic = learner.critic
     assert isinstance(critic, ShardedCritic)
     state = critic.state_dict() if critic.shared else {
         "head": critic.head.state_dict(), "optimizer": critic.optimizer.state_dict()
     }  # fmt: skip
     if not critic.shared:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state["trunk"] = get_model_state_dict(learner.critic_root, options=options)
-    state["optimizer"] = _full_tensors(state["optimizer"])
-    return state
+        state["trunk"] = whole_weights(learner.critic_root)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state["optimizer"] = _whole_tree(state["optimizer"], rank, world, {})
+    return state if rank == 0 else {}
 
 
 def load_critic_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
@@ -662,18 +685,6 @@ def load_critic_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> No
         for index, values in optimizer["state"].items()
     }
     critic.optimizer.load_state_dict(optimizer)
-
-
-def _full_tensors(value: Any) -> Any:
-    """``value`` with every DTensor gathered whole (a collective: every rank calls it on the
-    same structure), on the CPU."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
-    if isinstance(value, dict):
-        return {k: _full_tensors(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_full_tensors(v) for v in value)
-    return value
 
 
 def _like(value: Any, param: Any) -> Any:
