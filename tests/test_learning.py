@@ -32,7 +32,7 @@ ATTEMPTS = ((2, 150), (1, 200))
 Seed 2 reached 0.8 at step 110 on both CPUs it ran on. Seed 1 reached it at step 100 on
 one, and not in 200 steps on the other (AMD EPYC, family 25 model 17), where the float
 rounding of the same run differs: it goes second, so that `make test` does not pay for it
-first there (about 5 minutes)."""
+first there (about 6 minutes)."""
 
 
 @pytest.mark.learning
