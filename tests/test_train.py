@@ -318,6 +318,7 @@ def test_a_sleeping_engine_wakes_each_part_once_across_syncs_and_rollouts() -> N
 
     backend = object.__new__(VLLMBackend)  # the sleep logic alone, without starting vLLM
     backend.llm, backend.sleeps, backend.asleep_tags = CuMemEngine(), True, set()
+    backend.sleep_s = backend.wake_s = 0.0
     backend.weights_of = lambda model: model.state_dict()
     backend.policy_version = backend.syncs = 0
     model = torch.nn.Linear(2, 2)
@@ -337,6 +338,10 @@ def test_a_sleeping_engine_wakes_each_part_once_across_syncs_and_rollouts() -> N
     ]
     assert backend.syncs == 3
     assert backend.policy_version == 3
+    timings = backend.sleep_metrics()  # the step's row: time spent sleeping and waking
+    assert set(timings) == {"perf/engine_sleep_s", "perf/engine_wake_s"}
+    assert min(timings.values()) > 0
+    assert backend.sleep_metrics() == dict.fromkeys(timings, 0.0)  # since the last call
 
     backend.sleep()
     backend.wake_up(["weights"])
@@ -352,6 +357,7 @@ def test_a_sleeping_engine_wakes_each_part_once_across_syncs_and_rollouts() -> N
     backend.sleep()  # an engine without sleep mode never sleeps
     assert len(backend.llm.calls) == calls
     assert not backend.asleep
+    assert backend.sleep_metrics() == {}
 
 
 def test_the_vllm_engine_runs_in_this_process_on_every_device(

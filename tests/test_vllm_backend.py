@@ -343,8 +343,15 @@ def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path)
     torch.cuda.reset_peak_memory_stats()
     result = train(load_config(None, [*SMALL_RUN, *settings]), tmp_path / "run", progress=False)
     assert result.rows[0]["startup/logprob_gap_max"] < 0.1
-    steps = [r["perf/step_s"] for r in result.rows if "perf/step_s" in r]
+    trained = [r for r in result.rows if "perf/step_s" in r]
+    steps = [r["perf/step_s"] for r in trained]
+    wakes = [r["perf/engine_wake_s"] for r in trained]
     print(
-        f"peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; step {sum(steps) / len(steps):.2f} s"
+        f"peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; step {sum(steps) / len(steps):.2f} s;"
+        f" sleep {sum(r['perf/engine_sleep_s'] for r in trained) / len(steps):.3f} s and wake "
+        f"{sum(wakes) / len(wakes):.3f} s a step"
     )
     assert len(steps) == 4
+    # the engine slept after every rollout and woke for every sync
+    assert all(r["perf/engine_sleep_s"] > 0 for r in trained)
+    assert all(wake > 0 for wake in wakes)

@@ -108,6 +108,9 @@ def test_the_probe_learns_with_a_vllm_worker_and_an_nccl_rank_on_the_gpu(
         f"sync {median('perf/weight_sync_s'):.3f} s, worker sync "
         f"{median('perf/rollout_sync_s'):.3f} s; log-prob mismatch max "
         f"{max(r.get('train/logprob_mismatch_max', 0.0) for r in trained):.2e}, start-up "
-        f"gap {reached.rows[0]['startup/logprob_gap_max']:.2e}"
+        f"gap {reached.rows[0]['startup/logprob_gap_max']:.2e}; engine sleep "
+        f"{median('perf/engine_sleep_s'):.3f} s, wake {median('perf/engine_wake_s'):.3f} s"
     )
     check_learnt(reached, mismatch=1e-2, gap=1e-3)
+    # the worker's engine slept after its rollouts and woke for every sync
+    assert all(r["perf/engine_wake_s"] > 0 for r in trained)

@@ -35,6 +35,7 @@ import importlib.util
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -135,6 +136,9 @@ class VLLMBackend:
             options["enable_sleep_mode"] = True
         self.asleep_tags: set[str] = set()
         """The parts of the engine's memory (``SLEEP_TAGS``) that are released now."""
+        self.sleep_s = self.wake_s = 0.0
+        """Seconds spent releasing and reallocating the engine's memory since the last
+        ``sleep_metrics``."""
         options.update(engine_options)
         self._vllm = vllm
         # Starting an engine changes torch for the whole process: vLLM sets its thread
@@ -336,7 +340,9 @@ class VLLMBackend:
         if not self.sleeps or self.asleep_tags == set(SLEEP_TAGS):
             return
         self.wake_up()  # a part still asleep would be released twice
+        t0 = time.perf_counter()
         self.llm.sleep(level=1)
+        self.sleep_s += time.perf_counter() - t0
         self.asleep_tags = set(SLEEP_TAGS)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -348,8 +354,21 @@ class VLLMBackend:
         if tags is not None:
             waking = [tag for tag in waking if tag in tags]
         if waking:
+            t0 = time.perf_counter()
             self.llm.wake_up(tags=waking)
+            self.wake_s += time.perf_counter() - t0
             self.asleep_tags.difference_update(waking)
+
+    def sleep_metrics(self) -> dict[str, float]:
+        """With sleep mode, the seconds the engine spent releasing its memory
+        (``perf/engine_sleep_s``: the weights copied to host memory) and taking it back
+        (``perf/engine_wake_s``: copied back, the KV cache reallocated) since the last
+        call; without, nothing."""
+        if not self.sleeps:
+            return {}
+        metrics = {"perf/engine_sleep_s": self.sleep_s, "perf/engine_wake_s": self.wake_s}
+        self.sleep_s = self.wake_s = 0.0
+        return metrics
 
     def sync(self, model: Any) -> None:
         """After an update: ``load_weights`` and bump ``policy_version``. A sleeping engine

@@ -120,17 +120,20 @@ class RolloutWorker:
         program = collect_groups(tasks, self.env.make_env, self.backend, self.renderer, spec)
         return self.backend.run(program)
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Take the learner's weights (``engine_weights``) as policy version ``version``
-        (the engine's cached keys and values of the old weights are dropped)."""
+        (the engine's cached keys and values of the old weights are dropped); a sleeping
+        vLLM engine's sleep and wake times since the last sync (``sleep_metrics``)."""
         if isinstance(self.backend, VLLMBackend):
             self.backend.load_weights(weights)
-        else:
-            assert isinstance(self.backend, TorchBackend)
-            with torch.no_grad():
-                self.backend.model.load_state_dict(weights)
-            self.backend.sync(self.backend.model)
+            self.backend.policy_version = version
+            return self.backend.sleep_metrics()
+        assert isinstance(self.backend, TorchBackend)
+        with torch.no_grad():
+            self.backend.model.load_state_dict(weights)
+        self.backend.sync(self.backend.model)
         self.backend.policy_version = version
+        return {}
 
     def pid(self) -> int:
         """This worker's process id (the driver's readiness check calls it)."""
@@ -240,7 +243,9 @@ class RayRolloutWorkers:
         return [group for lo in sorted(done) for group in done[lo]]
 
     def sync(self, model: Any, version: int) -> dict[str, float]:
-        """Every worker takes ``model``'s weights as policy version ``version``."""
+        """Every worker takes ``model``'s weights as policy version ``version``; the time
+        that took, and the slowest worker's engine sleep and wake times where its engine
+        sleeps (``VLLMBackend.sleep_metrics``)."""
         t0 = time.perf_counter()
         self._weights, self._version = self.ray.put(cpu_weights(model)), version
         calls = [a.load_weights.remote(self._weights, version) for a in self.actors]
@@ -250,12 +255,16 @@ class RayRolloutWorkers:
                 f"rollout worker(s) {_listed([calls.index(r) for r in late])}: the weight sync "
                 f"did not finish within {self.call_timeout_s:.0f} s"
             )
+        timings: list[dict[str, float]] = []
         for w, ref in enumerate(calls):
             try:
-                self.ray.get(ref)
+                timings.append(self.ray.get(ref) or {})
             except self.ray.exceptions.RayActorError:  # died: its replacement loads them
                 self._replace(w)
-        return {"perf/rollout_sync_s": time.perf_counter() - t0}
+        metrics = {"perf/rollout_sync_s": time.perf_counter() - t0}
+        for key in sorted({key for timing in timings for key in timing}):  # the slowest's
+            metrics[key] = max(timing.get(key, 0.0) for timing in timings)
+        return metrics
 
     def take_metrics(self) -> dict[str, float]:
         """``rollout/worker_restarts`` since the last call."""

@@ -113,13 +113,16 @@ def run_groups(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
 
 def sync_engines(t: Trainer, version: int | None = None) -> Row:
     """After an update: the engine takes the learner's weights (its policy version moves
-    on, or becomes ``version``), and so do the rollout workers; the workers' sync metrics."""
+    on, or becomes ``version``), and so do the rollout workers; the workers' sync metrics,
+    and a sleeping engine's sleep and wake times (``VLLMBackend.sleep_metrics``)."""
     t.backend.sync(t.learner.model)
     if version is not None:
         t.backend.policy_version = version
-    if t.workers is None:
-        return {}
-    return t.workers.sync(t.learner.model, t.backend.policy_version)
+    sleep_metrics = getattr(t.backend, "sleep_metrics", None)
+    row: Row = dict(sleep_metrics()) if sleep_metrics is not None else {}
+    if t.workers is not None:
+        row.update(t.workers.sync(t.learner.model, t.backend.policy_version))
+    return row
 
 
 def train_step(t: Trainer, step: int, trajectories_out: TextIO) -> Row:
