@@ -204,9 +204,19 @@ ATTACKS: tuple[Attack, ...] = (
     Attack(
         "memory across many processes",
         "8 processes hold 100 MB each at once (each under the per-process limit); the "
-        "figure is what the live ones hold together",
+        "figure is the private memory the live ones hold together, read from /proc (a "
+        "process being killed is not counted for the memory it no longer has)",
         (
             "import os, time\nr, w = os.pipe()\nkids = []\n"
+            "def private_mb(pid):\n"
+            "    keys = ('Private_Clean:', 'Private_Dirty:', 'Swap:')\n"
+            "    try:\n"
+            "        with open(f'/proc/{pid}/smaps_rollup') as f:\n"
+            "            return sum(int(x.split()[1]) for x in f if x.startswith(keys)) / 1024\n"
+            "    except ProcessLookupError:\n"
+            "        return 0\n"
+            "    except OSError:\n"
+            "        return 100\n"
             "for i in range(8):\n"
             "    pid = os.fork()\n"
             "    if pid == 0:\n"
@@ -217,9 +227,8 @@ ATTACKS: tuple[Attack, ...] = (
             "    kids.append(pid)\n"
             "    os.read(r, 1)\n"
             "    time.sleep(0.05)\n"
-            "    alive = [k for k in kids if os.waitpid(k, os.WNOHANG) == (0, 0)]\n"
-            "    kids = alive\n"
-            "    print('held', 100 * len(alive), flush=True)\n",
+            "    kids = [k for k in kids if os.waitpid(k, os.WNOHANG) == (0, 0)]\n"
+            "    print('held', round(sum(private_mb(k) for k in kids)), flush=True)\n",
         ),
         _held_within_slot,
         needs="cgroup",
