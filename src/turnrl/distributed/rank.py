@@ -545,14 +545,8 @@ def whole_weights(root: Any) -> dict[str, torch.Tensor]:
     path was the cause is not established; this one has fewer moving parts, and a dead
     rank's stack is now quoted (learner_group.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}
-    for name, value in root.state_dict(keep_vars=True).items():
-        if id(value) not in seen:
-            seen[id(value)] = _whole(value, rank, world)
-        if rank == 0:
-            out[name] = seen[id(value)]
-    return out
+    whole = _whole_tree(dict(root.state_dict(keep_vars=True)), rank, world, {})
+    return cast(dict[str, torch.Tensor], whole) if rank == 0 else {}
 
 
 def _whole(value: torch.Tensor, rank: int, world: int) -> torch.Tensor:
