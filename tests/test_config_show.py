@@ -119,7 +119,8 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     out = capsys.readouterr().out
     assert tomllib.loads(out)["cluster"] == {
         "learner_ranks": 2, "fsdp_unit": "layer", "learner_placement": "local",
-        "rollout_workers": 0, "worker_timeout_s": 900.0, "address": "",
+        "rollout_workers": 0, "weight_sync": "object_store", "worker_timeout_s": 900.0,
+        "address": "",
     }  # fmt: skip
     assert "rollout_workers = 0  # Inference engines with their environments: 0 samples" in out
     assert load_config(None, ["cluster.rollout_workers=2"]).cluster.rollout_workers == 2
@@ -131,6 +132,14 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     ]
     placed = ["cluster.address=auto", "cluster.learner_ranks=2", "cluster.learner_placement=ray"]
     assert inert_settings(load_config(None, placed)) == []
+    assert inert_settings(load_config(None, ["cluster.weight_sync=broadcast"])) == [
+        "cluster.weight_sync = 'broadcast' has no effect: it is how the weights reach "
+        "rollout workers (cluster.rollout_workers >= 1)"
+    ]
+    both = ["cluster.weight_sync=broadcast", "cluster.rollout_workers=1"]
+    assert inert_settings(load_config(None, both)) == []
+    with pytest.raises(ConfigError, match=r"cluster\.weight_sync"):
+        load_config(None, ["cluster.weight_sync=nccl"])
     for key in ("learner_ranks", "rollout_workers"):
         with pytest.raises(ConfigError, match=rf"cluster\.{key} must be >= 0"):
             load_config(None, [f"cluster.{key}=-1"])

@@ -112,13 +112,22 @@ def local_ray() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, local_ray: None) -> dict[str, Path]:
-    """The same run in process, on one worker and on two."""
+    """The same run in process, on one worker and on two, and on one worker synced by
+    broadcast."""
     base = tmp_path_factory.mktemp("workers")
     out = {}
-    for name, workers in (("in_process", 0), ("one", 1), ("two", 2)):
+    for name, workers, *more in (
+        ("in_process", 0),
+        ("one", 1),
+        ("two", 2),
+        ("broadcast", 1, BROADCAST),
+    ):
         out[name] = base / name
-        train(config(workers), out=out[name], progress=False)
+        train(config(workers, *more), out=out[name], progress=False)
     return out
+
+
+BROADCAST = "cluster.weight_sync=broadcast"
 
 
 def test_one_worker_gives_the_in_process_run(runs: dict[str, Path]) -> None:
@@ -127,6 +136,13 @@ def test_one_worker_gives_the_in_process_run(runs: dict[str, Path]) -> None:
     assert episodes(runs["one"]) == episodes(runs["in_process"])
     assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])  # a sync after every update
     assert [r["rollout/worker_restarts"] for r in got[1:]] == [0.0, 0.0, 0.0]
+
+
+def test_one_worker_synced_by_broadcast_gives_the_in_process_run(runs: dict[str, Path]) -> None:
+    expected, got = rows(runs["in_process"]), rows(runs["broadcast"])
+    assert [deterministic(r) for r in got] == [deterministic(r) for r in expected]
+    assert episodes(runs["broadcast"]) == episodes(runs["in_process"])
+    assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
 
 
 def test_two_workers_agree_with_the_in_process_run(runs: dict[str, Path]) -> None:
@@ -190,12 +206,15 @@ def by_value() -> None:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+@pytest.mark.parametrize("sync", ["object_store", "broadcast"])
 def test_a_worker_killed_mid_step_loses_no_episode(
-    runs: dict[str, Path], tmp_path: Path, by_value: None
+    runs: dict[str, Path], tmp_path: Path, by_value: None, sync: str
 ) -> None:
     """Killed at the start of step 2's rollout, worker 0 or 1 is replaced and its shard
     collected again: every step has the episodes, and the metrics, of the run without the
-    kill (``runs["two"]``), and the restart is counted at step 2."""
+    kill (``runs["two"]``), and the restart is counted at step 2. With the broadcast, the
+    replacement loads the driver's weights through the object store, and the next sync
+    forms the group again."""
     family = Tripwire(tmp_path)
 
     def arm(row: Row) -> None:
@@ -203,7 +222,7 @@ def test_a_worker_killed_mid_step_loses_no_episode(
             (tmp_path / "kill").write_text("")
 
     out = tmp_path / "run"
-    train(config(2), env=family, out=out, progress=False, on_row=arm)
+    train(config(2, f"cluster.weight_sync={sync}"), env=family, out=out, progress=False, on_row=arm)
     assert (tmp_path / "kill.fired").exists()  # a worker did die
     got = rows(out)
     assert [r.get("rollout/worker_restarts") for r in got] == [None, 0.0, 1.0, 0.0]
@@ -236,33 +255,23 @@ def test_a_hung_worker_stops_the_run_naming_it(
     assert time.monotonic() - armed[0] < 30
 
 
-def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
-    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
+def updated(model: Any) -> None:
+    """An update: weights the workers must sample with after the next sync."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+
+
+def sampled_as_in_process(
+    workers: RayRolloutWorkers, c: Config, family: Any, policy: Any, tokenizer: Any, version: int
 ) -> None:
-    """Worker 1's process is killed before a weight sync: the sync replaces it (counted),
-    and both workers then sample with the synced weights and version, exactly as a worker
-    in this process holding them does."""
-    c = resolved(config(2))
-    family = make_env_spec(c.env.name, **c.env.options)
-    workers = RayRolloutWorkers(
-        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1
-    )
-    try:
-        pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
-        os.kill(pids[1], signal.SIGKILL)
-        with torch.no_grad():  # an update: the weights the workers must now sample with
-            for p in model.parameters():
-                p.add_(0.01 * torch.randn_like(p))
-        workers.sync(model, 7)
-        assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
-        assert ray.get(workers.actors[1].pid.remote(), timeout=60) not in pids
-        sampling, limits = episode_settings(c, tokenizer)
-        spec = GroupSpec(2, limits, sampling, seed=3, policy_version=7)
-        tasks = [family.task(i) for i in range(4)]
-        got = workers.collect(tasks, spec)
-    finally:
-        workers.close()
-    local = RolloutWorker(c, family, copy.deepcopy(model), tokenizer, 7, threads=1)
+    """The workers' episodes equal those of a worker in this process holding ``policy``
+    as ``version``: the same tokens, every turn recorded as ``version``."""
+    sampling, limits = episode_settings(c, tokenizer)
+    spec = GroupSpec(2, limits, sampling, seed=3, policy_version=version)
+    tasks = [family.task(i) for i in range(4)]
+    got = workers.collect(tasks, spec)
+    local = RolloutWorker(c, family, policy, tokenizer, version, threads=1)
     expected = local.collect(tasks, spec)
 
     def turns(groups: Any) -> list[tuple[Any, ...]]:
@@ -272,7 +281,85 @@ def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
         ]  # fmt: skip
 
     assert turns(got) == turns(expected)
-    assert {v for *_, v in turns(got)} == {7}
+    assert {v for *_, v in turns(got)} == {version}
+
+
+def dies_in_the_broadcast(worker: Any) -> None:
+    """Run in a worker (``__ray_call__``): its process exits at the second tensor of the
+    next broadcast, as a worker killed mid-sync."""
+    group = worker._receiver._group
+    calls = []
+
+    class Dying:
+        def broadcast(self, *args: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(9)
+            return group.broadcast(*args)
+
+    worker._receiver._group = Dying()
+
+
+@pytest.mark.parametrize(
+    ("sync", "when"),
+    [("object_store", "before"), ("broadcast", "before"), ("broadcast", "during")],
+)
+def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path, by_value: None,
+    sync: str, when: str,
+) -> None:  # fmt: skip
+    """Worker 1's process is killed before a weight sync (or, with the broadcast, in the
+    middle of one): the sync replaces it (counted), and both workers then sample with the
+    synced weights and version, exactly as a worker in this process holding them does.
+    Killed during a broadcast, it leaves worker 0 blocked in the collective: worker 0 is
+    replaced too, and the sync sent again to both."""
+    c = resolved(config(2, f"cluster.weight_sync={sync}"))
+    family = make_env_spec(c.env.name, **c.env.options)
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1,
+        weight_sync=sync,
+    )  # fmt: skip
+    try:
+        pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
+        if when == "during":
+            workers.sync(model, 1)  # the group is formed
+            ray.get(workers.actors[1].__ray_call__.remote(dies_in_the_broadcast), timeout=60)
+        else:
+            os.kill(pids[1], signal.SIGKILL)
+        updated(model)
+        workers.sync(model, 7)
+        restarts = 2 if when == "during" else 1
+        assert workers.take_metrics() == {"rollout/worker_restarts": float(restarts)}
+        now = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
+        assert sum(pid not in pids for pid in now) == restarts
+        sampled_as_in_process(workers, c, family, copy.deepcopy(model), tokenizer, 7)
+    finally:
+        workers.close()
+
+
+def test_a_worker_replaced_mid_batch_of_an_asynchronous_run_holds_the_synced_weights(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    """With the broadcast in an asynchronous run, the driver's model changes (the next
+    update) while the workers sample: a worker replaced then loads the weights of the last
+    sync, which the driver keeps a copy of, not the model's newer ones."""
+    c = resolved(config(2, BROADCAST, "algorithm.max_staleness=1"))
+    family = make_env_spec(c.env.name, **c.env.options)
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1,
+        weight_sync="broadcast",
+    )  # fmt: skip
+    try:
+        updated(model)
+        workers.sync(model, 7)
+        synced = copy.deepcopy(model)
+        updated(model)  # the learner's next update, while the workers sample version 7
+        pid = ray.get(workers.actors[1].pid.remote(), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        sampled_as_in_process(workers, c, family, synced, tokenizer, 7)
+        assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
+    finally:
+        workers.close()
 
 
 def test_asynchronous_training_on_workers_collects_the_same_prompts(

@@ -57,9 +57,10 @@ def test_one_vllm_worker_gives_the_in_process_vllm_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same run with its vLLM engine in this process and on one Ray worker (whose
-    engine is built from the run's model directory and synced through the object store):
-    the same episodes, the same metrics, bit for bit; the start-up check's gap included,
-    though with a worker it runs on the worker's engine: the driver builds none."""
+    engine is built from the run's model directory), synced through the object store and
+    by broadcast: the same episodes, the same metrics, bit for bit; the start-up check's
+    gap included, though with a worker it runs on the worker's engine: the driver builds
+    none."""
     built: list[int] = []  # vLLM engines built in this process, per run
     real = loop.vllm_sampler
 
@@ -69,16 +70,19 @@ def test_one_vllm_worker_gives_the_in_process_vllm_run(
 
     monkeypatch.setattr(loop, "vllm_sampler", counted)
     runs = {}
-    for name, workers in (("in_process", 0), ("one", 1)):
+    layouts = (("in_process", 0), ("one", 1), ("broadcast", 1, "cluster.weight_sync=broadcast"))
+    for name, workers, *more in layouts:
         runs[name] = tmp_path / name
         built.append(0)
-        train(config(workers), out=runs[name], progress=False)
-    assert built == [1, 0]
-    assert turns(runs["one"]) == turns(runs["in_process"])
-    expected, got = rows(runs["in_process"]), rows(runs["one"])
-    assert [deterministic(r) for r in got] == [deterministic(r) for r in expected]
-    assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
-    assert {version for *_, version in turns(runs["one"])} == {0, 1, 2}
+        train(config(workers, *more), out=runs[name], progress=False)
+    assert built == [1, 0, 0]
+    expected = rows(runs["in_process"])
+    for name in ("one", "broadcast"):
+        assert turns(runs[name]) == turns(runs["in_process"]), name
+        got = rows(runs[name])
+        assert [deterministic(r) for r in got] == [deterministic(r) for r in expected], name
+        assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
+        assert {version for *_, version in turns(runs[name])} == {0, 1, 2}
 
 
 def test_a_lora_policy_samples_merged_on_a_vllm_worker_as_in_process(tmp_path: Path) -> None:

@@ -81,8 +81,9 @@ def train(
     def make_workers(spec: WorkersSpec) -> RayRolloutWorkers:
         c = spec.config.cluster
         fleet = RayRolloutWorkers(
-            spec, c.rollout_workers, address=c.address, call_timeout_s=c.worker_timeout_s
-        )
+            spec, c.rollout_workers, address=c.address, call_timeout_s=c.worker_timeout_s,
+            weight_sync=c.weight_sync,
+        )  # fmt: skip
         workers.append(fleet)
         return fleet
 

@@ -33,6 +33,7 @@ the same weights and seeds the rerun gives the episodes the dead worker would ha
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -45,6 +46,16 @@ import torch
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
+from turnrl.distributed.weight_broadcast import (
+    BroadcastAborted,
+    BroadcastError,
+    Layout,
+    Receiver,
+    Rendezvous,
+    Sender,
+    backend_for,
+    layout_of,
+)
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
@@ -101,6 +112,7 @@ class RolloutWorker:
         device: str = "cpu",
     ) -> None:
         torch.set_num_threads(threads)
+        self._receiver: Receiver | None = None
         self.env = env
         self.sampling, self.limits = episode_settings(config, tokenizer)
         self.renderer = ChatRenderer(tokenizer)
@@ -135,6 +147,31 @@ class RolloutWorker:
         self.backend.policy_version = version
         return {}
 
+    def join_broadcast(self, rendezvous: Rendezvous, rank: int) -> bool:
+        """Join the driver's weight broadcast group as ``rank`` (``weight_sync =
+        "broadcast"``), leaving any group joined before; blocks until every member joins.
+        False if the driver called the group off (another worker did not come)."""
+        self.leave_broadcast()
+        device = "cuda" if rendezvous.backend == "nccl" else "cpu"
+        try:
+            self._receiver = Receiver(rendezvous, rank, device)
+        except BroadcastAborted:
+            return False
+        return True
+
+    def receive_weights(self, layout: Layout, n: int, version: int) -> dict[str, float] | None:
+        """Broadcast ``n``'s weights, loaded as policy version ``version`` (``load_weights``'
+        metrics); None, and nothing changed, if the driver called it off."""
+        weights = self._receiver.receive(layout, n) if self._receiver is not None else None
+        if weights is None:
+            return None
+        return self.load_weights(weights, version)
+
+    def leave_broadcast(self) -> None:
+        receiver, self._receiver = getattr(self, "_receiver", None), None
+        if receiver is not None:
+            receiver.close()
+
     def pid(self) -> int:
         """This worker's process id (the driver's readiness check calls it)."""
         return os.getpid()
@@ -152,9 +189,13 @@ class RayRolloutWorkers:
         threads: int = 0,
         start_timeout_s: float = START_TIMEOUT_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        weight_sync: str = "object_store",
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if weight_sync not in ("object_store", "broadcast"):
+            raise ValueError(f"weight_sync must be object_store or broadcast, got {weight_sync!r}")
+        self.weight_sync = weight_sync
         self.device = "cuda" if next(spec.model.parameters()).device.type == "cuda" else "cpu"
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
@@ -162,6 +203,9 @@ class RayRolloutWorkers:
         cores = os.cpu_count() or 1
         self.threads = threads or spec.config.threads or max(1, cores // num_workers)
         self.actors: list[Any] = []
+        self._sender: Sender | None = None
+        """The driver's side of the weight broadcast group (formed at the first broadcast,
+        formed again after any worker is replaced)."""
         self.ray = ray_cluster.join(address, min_cpus=num_workers)
         self._joined = True
         self._spec = spec
@@ -188,7 +232,14 @@ class RayRolloutWorkers:
         self._start_policy = self.ray.put(start_policy(spec))
         """What every worker is built from (a replacement then loads ``_weights``)."""
         self._weights: Any = None
-        """The newest synced state dict in the object store (None before the first sync)."""
+        """The newest synced state dict in the object store (None before the first sync;
+        with the broadcast, put there only when a replacement needs it)."""
+        self._synced: Any = None
+        """With the broadcast: what a replacement loads, the weights of the last sync (the
+        driver's model itself in a synchronous run, where it does not change between a sync
+        and the next batch; a copy in CPU memory in an asynchronous one, where the next
+        update changes it while the workers sample)."""
+        self._copy_synced = spec.config.algorithm.max_staleness > 0
         self._version = spec.version
         self._restarts = 0
         try:
@@ -247,8 +298,20 @@ class RayRolloutWorkers:
         that took, and the slowest worker's engine sleep and wake times where its engine
         sleeps (``VLLMBackend.sleep_metrics``)."""
         t0 = time.perf_counter()
-        self._weights, self._version = self.ray.put(cpu_weights(model)), version
-        calls = [a.load_weights.remote(self._weights, version) for a in self.actors]
+        if self.weight_sync == "broadcast":
+            timings = self._broadcast(model, version)
+        else:
+            self._weights, self._version = self.ray.put(cpu_weights(model)), version
+            calls = [a.load_weights.remote(self._weights, version) for a in self.actors]
+            timings = self._loaded(calls)
+        metrics = {"perf/rollout_sync_s": time.perf_counter() - t0}
+        for key in sorted({key for timing in timings for key in timing}):  # the slowest's
+            metrics[key] = max(timing.get(key, 0.0) for timing in timings)
+        return metrics
+
+    def _loaded(self, calls: list[Any]) -> list[dict[str, float]]:
+        """The workers' answers to a sync's ``calls`` (one per worker, in order), within the
+        deadline; a worker that died is replaced with the synced weights."""
         _, late = self.ray.wait(calls, num_returns=len(calls), timeout=self.call_timeout_s)
         if late:
             raise RolloutWorkerError(
@@ -261,10 +324,95 @@ class RayRolloutWorkers:
                 timings.append(self.ray.get(ref) or {})
             except self.ray.exceptions.RayActorError:  # died: its replacement loads them
                 self._replace(w)
-        metrics = {"perf/rollout_sync_s": time.perf_counter() - t0}
-        for key in sorted({key for timing in timings for key in timing}):  # the slowest's
-            metrics[key] = max(timing.get(key, 0.0) for timing in timings)
-        return metrics
+        return timings
+
+    def _broadcast(self, model: Any, version: int) -> list[dict[str, float]]:
+        """The sync as one broadcast from this process to every worker
+        (weight_broadcast.py). A worker that dies before the broadcast calls it off, one
+        that dies during it leaves the others blocked: either way the workers that did not
+        finish are replaced, a new group is formed, and the sync is sent again."""
+        weights = {k: v.detach() for k, v in engine_weights(model).items()}
+        layout = layout_of(weights)
+        self._version, self._weights = version, None
+        self._synced = (
+            {k: v.to("cpu", copy=True) for k, v in weights.items()} if self._copy_synced else model
+        )
+        problem = ""
+        for _ in range(MAX_RESTARTS + 1):
+            sender = self._sender or self._form_group()
+            n = sender.next_sync
+            calls = [a.receive_weights.remote(layout, n, version) for a in self.actors]
+            try:
+                sender.send(weights, failed=functools.partial(self._finished, calls))
+            except BroadcastError as exc:  # an abort frees the live workers at once
+                problem = str(exc)
+                grace = 60.0 if isinstance(exc, BroadcastAborted) else 5.0
+                self._replace_unfinished(calls, grace)
+                continue
+            return self._loaded(calls)
+        raise RolloutWorkerError(
+            f"rollout workers: the weight broadcast failed {MAX_RESTARTS + 1} times, the "
+            f"last with: {problem}" + _nccl_hint(self._backend)
+        )
+
+    @property
+    def _backend(self) -> str:
+        return backend_for(self.device)
+
+    def _form_group(self) -> Sender:
+        """A new broadcast group of this process and every worker; workers that do not
+        join are replaced and the group formed again."""
+        problem = ""
+        for _ in range(MAX_RESTARTS + 1):
+            self._close_group()
+            host = self.ray.util.get_node_ip_address()
+            sender = Sender(host, self.num_workers, self._backend, self.call_timeout_s)
+            joins = [
+                a.join_broadcast.remote(sender.rendezvous, w + 1) for w, a in enumerate(self.actors)
+            ]
+            try:
+                sender.connect(failed=functools.partial(self._finished, joins))
+            except BroadcastError as exc:
+                sender.close()
+                problem = str(exc)
+                grace = 60.0 if isinstance(exc, BroadcastAborted) else 5.0
+                self._replace_unfinished(joins, grace)
+                continue
+            self._wait(joins, "joining the weight broadcast group", self.call_timeout_s)
+            self._sender = sender
+            return sender
+        raise RolloutWorkerError(
+            f"rollout workers: the weight broadcast group did not form in {MAX_RESTARTS + 1} "
+            f"tries, the last with: {problem}" + _nccl_hint(self._backend)
+        )
+
+    def _finished(self, calls: list[Any]) -> list[int]:
+        """The ranks (worker + 1) whose ``calls`` have already returned (before a
+        broadcast's "go" that can only be a failure)."""
+        done, _ = self.ray.wait(calls, num_returns=len(calls), timeout=0)
+        return [calls.index(ref) + 1 for ref in done]
+
+    def _replace_unfinished(self, calls: list[Any], grace_s: float) -> None:
+        """After a failed broadcast or group: replace every worker whose call (one per
+        worker, in order) did not return cleanly within ``grace_s`` (after an abort, a
+        live worker's call returns at once: None, or the abort of its join); the group is
+        formed again at the next broadcast."""
+        self._close_group()
+        _, late = self.ray.wait(calls, num_returns=len(calls), timeout=grace_s)
+        for w, ref in enumerate(calls):
+            ok = ref not in late
+            if ok:
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayError:
+                    ok = False
+            if not ok:
+                self._replace(w, load=False)  # the broadcast sent again brings the weights
+
+    def _close_group(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
 
     def take_metrics(self) -> dict[str, float]:
         """``rollout/worker_restarts`` since the last call."""
@@ -277,29 +425,36 @@ class RayRolloutWorkers:
             with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(actor)
         self.actors = []
+        self._close_group()
         if self._joined:
             self._joined = False
             ray_cluster.leave()  # the last to leave shuts down a cluster the run started
 
-    def _new_actor(self) -> tuple[Any, Any]:
+    def _new_actor(self, load: bool = True) -> tuple[Any, Any]:
         """A worker built from the start model, with the current weights if a sync has
-        happened since (its version is then the driver's); and the call to wait for
-        before it is ready."""
+        happened since and ``load`` (its version is then the driver's); and the call to
+        wait for before it is ready."""
         config, env, tokenizer = self._shared
         actor = self._actor_class.remote(
             config, env, self._start_policy, tokenizer, self._spec.version, self.threads,
             str(self._spec.model_path), self.device,
         )  # fmt: skip
-        if self._weights is not None:
+        if load and self._weights is None and self._synced is not None:  # broadcast syncs
+            synced = self._synced if isinstance(self._synced, dict) else cpu_weights(self._synced)
+            self._weights = self.ray.put(synced)
+        if load and self._weights is not None:
             return actor, actor.load_weights.remote(self._weights, self._version)
         return actor, actor.pid.remote()
 
-    def _replace(self, w: int) -> None:
-        """A fresh actor for dead worker ``w``, with the current weights and version."""
+    def _replace(self, w: int, load: bool = True) -> None:
+        """A fresh actor for dead worker ``w``, with the current weights and version
+        (unless ``load`` is False: a broadcast brings them next). With the broadcast, the
+        group is formed again at the next sync."""
         self._restarts += 1
         with contextlib.suppress(Exception):
             self.ray.kill(self.actors[w])
-        self.actors[w], ready = self._new_actor()
+        self._close_group()
+        self.actors[w], ready = self._new_actor(load)
         self._wait([ready], f"restarting rollout worker {w}", self.start_timeout_s)
 
     def _wait(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
@@ -330,6 +485,15 @@ def worker_resources(device: str, num_workers: int, cluster_gpus: int) -> dict[s
             "model.device = 'cpu')"
         )
     return {"num_cpus": 1, "num_gpus": 1}
+
+
+def _nccl_hint(backend: str) -> str:
+    if backend != "nccl":
+        return ""
+    return (
+        " (NCCL needs every member of the group on a GPU of its own: the driver's GPU must "
+        "not be a rollout worker's; cluster.weight_sync = 'object_store' has no such need)"
+    )
 
 
 def cpu_weights(model: Any) -> dict[str, torch.Tensor]:

@@ -1,0 +1,242 @@
+"""The weight sync as a collective broadcast from the driver to the rollout workers
+(``cluster.weight_sync = "broadcast"``).
+
+The driver (rank 0) and the N workers (ranks 1..N) form a torch.distributed group of their
+own, outside any default group a process may have: gloo for weights in CPU memory, NCCL
+for weights on GPUs (every member then on a GPU of its own: NCCL refuses two members on
+one device). Its rendezvous is a ``TCPStore`` the driver holds. A sync sends each tensor
+once, by one broadcast per tensor, into buffers the workers allocate from the layout
+(names, shapes, dtypes) the driver gives them; on GPUs the weights go from the driver's
+model to the engines' GPUs without passing through CPU memory.
+
+A collective whose member has died blocks the others until the group's timeout, and an
+abort by the sender does not free them (checked with gloo: a receiver waited out its whole
+timeout after the sender shut its group down); so does forming a group with a member that
+never joins. So forming a group and every sync run in two phases, every wait under a
+deadline:
+
+1. Each worker, asked to join (or to receive), adds itself to a counter in the store
+   (``joining``, or the sync's ``ready/<n>``) and waits for the driver's word.
+2. The driver waits until every worker has come, or until ``failed()`` names one that is
+   not coming (it died, or its call raised). The word is then "go" or "abort": on "abort"
+   every live worker returns at once, with nothing joined or received
+   (``BroadcastAborted``: the caller replaces the dead and forms a new group).
+3. On "go", the group's construction (under ``FORM_TIMEOUT_S``) or the broadcasts. A member
+   that dies in this phase leaves the others blocked in the collective until its timeout:
+   the sender's error says so, and the caller replaces every worker that did not finish.
+
+The pure part, a group's construction and one sync's messages, is here; which workers to
+replace, and when, is the rollout workers' (rollout_workers.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from turnrl.errors import TurnrlError
+
+Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
+"""What a receiver allocates: each tensor's name, shape and dtype, in the order sent."""
+
+POLL_S = 0.005
+"""How often the driver looks at a counter while it waits for the receivers."""
+FORM_TIMEOUT_S = 60.0
+"""How long the group's construction may take once every member is known to be there
+(the construction blocks until every member has joined)."""
+
+
+class BroadcastError(TurnrlError):
+    """A weight broadcast failed; ``ranks`` are the receivers it names (1..N)."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class BroadcastAborted(BroadcastError):
+    """A sync was called off before any weight was sent: every live receiver returned
+    with nothing; ``ranks`` did not come (dead, failed, or late)."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a receiver joins the group: the driver's store, the group's size (the
+    driver included), its backend and every wait's deadline."""
+
+    host: str
+    port: int
+    world: int
+    backend: str
+    timeout_s: float
+
+
+def backend_for(device: str) -> str:
+    """The collective backend for weights on ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def layout_of(weights: Mapping[str, torch.Tensor]) -> Layout:
+    """``weights``' layout, in their order."""
+    return [(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
+
+
+def _group(store: Any, rank: int, rendezvous: Rendezvous) -> Any:
+    """This member's process group (blocks until every member has joined the store). Its
+    keys are kept apart from the sync's own under a prefix. NCCL's runs on this process's
+    current CUDA device (a Ray worker's only visible one)."""
+    timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+    keys = dist.PrefixStore("group", store)  # type: ignore[attr-defined]
+    world = rendezvous.world
+    if rendezvous.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(keys, rank, world, options)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(keys, rank, world, timeout)  # type: ignore[attr-defined]
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def _store(host: str, port: int, timeout_s: float, master: bool) -> Any:
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, world_size=None, is_master=master,
+        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    )  # fmt: skip
+
+
+class Sender:
+    """The driver's side: rank 0 of a group of ``num_receivers + 1`` members.
+
+    Made in two steps, because the group's construction blocks until every member joins:
+    ``Sender(...)`` opens the store (its ``rendezvous`` is what the receivers need), the
+    caller asks the receivers to join, then ``connect()``."""
+
+    def __init__(self, host: str, num_receivers: int, backend: str, timeout_s: float) -> None:
+        self._store = _store(host, 0, timeout_s, master=True)
+        self.rendezvous = Rendezvous(host, self._store.port, num_receivers + 1, backend, timeout_s)
+        self._group: Any = None
+        self.syncs = 0
+        """Syncs begun on this group; the receivers are told each one's number
+        (``next_sync``), and its keys in the store are its own."""
+
+    @property
+    def next_sync(self) -> int:
+        """The number of the next ``send``: what each receiver's ``receive`` is given."""
+        return self.syncs + 1
+
+    def connect(self, failed: Callable[[], Sequence[int]]) -> None:
+        """Form the group once every receiver is joining; ``failed()`` names the receivers
+        known not to be coming (``BroadcastAborted`` then, or after ``timeout_s``). A
+        construction that fails raises ``BroadcastError``."""
+        self._gather("joining", "word/join", "the weight broadcast group's forming", failed)
+        self._store.set_timeout(datetime.timedelta(seconds=FORM_TIMEOUT_S))
+        try:
+            self._group = _group(self._store, 0, self.rendezvous)
+        except Exception as exc:  # a member that died since it came
+            raise BroadcastError(f"the weight broadcast group did not form: {exc}") from exc
+        finally:
+            self._store.set_timeout(datetime.timedelta(seconds=self.rendezvous.timeout_s))
+
+    def _gather(
+        self, counter: str, word: str, what: str, failed: Callable[[], Sequence[int]]
+    ) -> None:
+        """Wait until every receiver has added itself to ``counter``, then say "go" under
+        ``word``; say "abort" and raise ``BroadcastAborted`` if ``failed()`` names any
+        receiver first, or after ``timeout_s``."""
+        world, timeout_s = self.rendezvous.world, self.rendezvous.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while (came := self._store.add(counter, 0)) < world - 1:
+            late = list(failed())
+            if late or time.monotonic() > deadline:
+                self._store.set(word, "abort")
+                who = (
+                    f"receiver(s) {', '.join(map(str, late))} failed"
+                    if late
+                    else f"{world - 1 - came} receiver(s) did not come within {timeout_s:.0f} s"
+                )
+                raise BroadcastAborted(f"{what}: {who}", late)
+            time.sleep(POLL_S)
+        self._store.set(word, "go")
+
+    def send(
+        self, weights: Mapping[str, torch.Tensor], failed: Callable[[], Sequence[int]]
+    ) -> None:
+        """One sync of ``weights`` (in ``layout_of(weights)``'s order, each on the group's
+        device), after every receiver is ready. ``failed()`` names the receivers known not
+        to be coming; if any, or if one is not ready within ``timeout_s``, the sync is
+        called off (``BroadcastAborted``). A broadcast that fails raises ``BroadcastError``."""
+        assert self._group is not None, "connect() first"
+        self.syncs += 1
+        n = self.syncs
+        self._gather(f"ready/{n}", f"word/{n}", f"weight broadcast {n}", failed)
+        for name, tensor in weights.items():
+            try:
+                _broadcast(self._group, tensor.detach().contiguous())
+            except Exception as exc:
+                raise BroadcastError(
+                    f"weight broadcast {n} failed at {name}: {exc} (the receivers that had "
+                    f"not finished wait until their {self.rendezvous.timeout_s:.0f} s timeout)"
+                ) from exc
+
+    def close(self) -> None:
+        """Leave the group (the receivers' halves are closed by their own processes)."""
+        _shut(self._group)
+        self._group = None
+
+
+class Receiver:
+    """A worker's side: rank ``rank`` (1..N) of the driver's group. Made when the driver
+    forms it (``Sender.connect``); ``BroadcastAborted`` if the driver called that off."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: str) -> None:
+        self.rendezvous = rendezvous
+        self.device = device
+        self._group: Any = None
+        self._store = _store(rendezvous.host, rendezvous.port, rendezvous.timeout_s, False)
+        if not self._word("joining", "word/join"):
+            raise BroadcastAborted("the driver called off the weight broadcast group's forming")
+        self._store.set_timeout(datetime.timedelta(seconds=FORM_TIMEOUT_S))
+        self._group = _group(self._store, rank, rendezvous)
+        self._store.set_timeout(datetime.timedelta(seconds=rendezvous.timeout_s))
+
+    def _word(self, counter: str, word: str) -> bool:
+        """Add this receiver to ``counter``, then the driver's word: True for "go". The
+        driver gives it within ``timeout_s`` of asking (it asks, then starts waiting); this
+        waits twice that, so that it never gives up before the driver's word."""
+        self._store.add(counter, 1)
+        self._store.wait([word], datetime.timedelta(seconds=2 * self.rendezvous.timeout_s))
+        return bool(self._store.get(word) == b"go")
+
+    def receive(self, layout: Layout, n: int) -> dict[str, torch.Tensor] | None:
+        """Sync ``n``'s tensors (the sender's ``next_sync``), or None if the driver called
+        it off."""
+        if not self._word(f"ready/{n}", f"word/{n}"):
+            return None
+        out = {}
+        for name, shape, dtype in layout:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            _broadcast(self._group, tensor)
+            out[name] = tensor
+        return out
+
+    def close(self) -> None:
+        _shut(self._group)
+        self._group = None
+
+
+def _shut(group: Any) -> None:
+    """Shut ``group`` down; a group whose other members are gone has nothing to free."""
+    if group is not None:
+        with contextlib.suppress(Exception):
+            group.shutdown()

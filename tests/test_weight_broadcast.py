@@ -1,0 +1,168 @@
+"""The weight broadcast group on its own (weight_broadcast.py): the driver's ``Sender`` and
+receivers in processes of their own, over gloo, without Ray. What the rollout workers do
+with it (replacing workers, forming the group again) is tested in test_rollout_workers.py."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from turnrl.distributed.weight_broadcast import (
+    BroadcastAborted,
+    Receiver,
+    Rendezvous,
+    Sender,
+    backend_for,
+    layout_of,
+)
+from turnrl.distributed.wire import decode, encode
+
+TIMEOUT_S = 30.0
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of the dtypes and shapes a state dict holds, a scalar and an empty one too."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(50, 8, generator=g),
+        "layer.bias": torch.randn(8, generator=g).to(torch.bfloat16),
+        "layer.scale": torch.randn((), generator=g),
+        "empty": torch.zeros(0, 4),
+        "buffer.positions": torch.arange(7) * (seed + 1),
+    }
+
+
+def receiver_process(rendezvous: Rendezvous, rank: int, plan: list[str], out: Any) -> None:
+    """Join as ``rank``, then for each word of ``plan``: "receive" one sync (reporting what
+    came), "die" (exit at once, as a killed worker), "idle" (stay alive, never receive).
+    A plan of just "die" dies before joining."""
+    out.put(("joining", rank))
+
+    def die() -> None:
+        out.close()
+        out.join_thread()  # what it put is sent before the process ends
+        os._exit(3)
+
+    if plan == ["die"]:  # before it joins
+        die()
+    try:
+        receiver = Receiver(rendezvous, rank, "cpu")
+    except BroadcastAborted:
+        out.put(("aborted", rank))
+        return
+    layout = layout_of(weights(0))
+    for n, word in enumerate(plan, start=1):
+        if word == "die":
+            die()
+        if word == "idle":
+            time.sleep(TIMEOUT_S)
+            return
+        got = receiver.receive(layout, n)
+        # By value (wire.encode): torch's queue pickler would send a tensor's shared memory
+        # through a helper of this process, which may have died before it is read.
+        out.put((rank, n, None if got is None else encode(got)))
+    receiver.close()
+
+
+def start(
+    plans: list[list[str]], timeout_s: float = TIMEOUT_S, connect: bool = True
+) -> tuple[Sender, list[Any], Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sender = Sender("127.0.0.1", len(plans), "gloo", timeout_s)
+    procs = [
+        ctx.Process(target=receiver_process, args=(sender.rendezvous, r, plan, out), daemon=True)
+        for r, plan in enumerate(plans, start=1)
+    ]
+    for p in procs:
+        p.start()
+    joining = sorted(out.get(timeout=TIMEOUT_S) for _ in procs)  # their imports done
+    assert joining == [("joining", r) for r in range(1, len(plans) + 1)]
+    if connect:
+        sender.connect(failed=lambda: dead(procs))
+    return sender, procs, out
+
+
+def dead(procs: list[Any]) -> list[int]:
+    return [r for r, p in enumerate(procs, start=1) if p.exitcode is not None]
+
+
+def test_every_receiver_gets_each_sync_exactly_in_its_dtype() -> None:
+    sender, procs, out = start([["receive", "receive"], ["receive", "receive"]])
+    try:
+        for n in (1, 2):
+            assert sender.next_sync == n
+            sent = weights(n)
+            sender.send(sent, failed=lambda: dead(procs))
+            answers = [out.get(timeout=TIMEOUT_S) for _ in procs]
+            got = {(rank, k): decode(w) for rank, k, w in answers}
+            assert sorted(got) == [(1, n), (2, n)]
+            for w in (got[(1, n)], got[(2, n)]):
+                assert list(w) == list(sent)  # the layout's order
+                for name, tensor in sent.items():
+                    assert w[name].dtype == tensor.dtype
+                    assert w[name].shape == tensor.shape
+                    assert torch.equal(w[name], tensor), name
+    finally:
+        sender.close()
+        for p in procs:
+            p.join(TIMEOUT_S)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_a_receiver_dead_before_the_group_forms_calls_it_off_and_frees_the_others() -> None:
+    sender, procs, out = start([["receive"], ["die"]], connect=False)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BroadcastAborted, match=r"forming: receiver\(s\) 2 failed") as caught:
+            sender.connect(failed=lambda: dead(procs))
+        assert caught.value.ranks == [2]
+        assert out.get(timeout=TIMEOUT_S) == ("aborted", 1)
+        assert time.monotonic() - started < TIMEOUT_S / 2  # not the store's timeout
+    finally:
+        sender.close()
+        for p in procs:
+            p.kill()
+
+
+def test_a_receiver_dead_before_the_broadcast_calls_it_off_and_frees_the_others() -> None:
+    sender, procs, out = start([["receive", "receive"], ["receive", "die"]])
+    try:
+        sender.send(weights(1), failed=lambda: dead(procs))  # both take the first
+        assert sorted(out.get(timeout=TIMEOUT_S)[:2] for _ in procs) == [(1, 1), (2, 1)]
+        started = time.monotonic()
+        with pytest.raises(
+            BroadcastAborted, match=r"broadcast 2: receiver\(s\) 2 failed"
+        ) as caught:
+            sender.send(weights(2), failed=lambda: dead(procs))
+        assert caught.value.ranks == [2]
+        assert out.get(timeout=TIMEOUT_S) == (1, 2, None)  # the live one got the word
+        assert time.monotonic() - started < TIMEOUT_S / 2  # not the group's timeout
+    finally:
+        sender.close()
+        for p in procs:
+            p.kill()
+
+
+def test_a_receiver_that_never_comes_is_named_after_the_deadline() -> None:
+    sender, procs, out = start([["receive"], ["idle"]], timeout_s=3.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BroadcastAborted, match=r"1 receiver\(s\) did not come within 3 s"):
+            sender.send(weights(1), failed=lambda: dead(procs))
+        assert 3.0 <= time.monotonic() - started < 10.0
+        assert out.get(timeout=TIMEOUT_S) == (1, 1, None)
+    finally:
+        sender.close()
+        for p in procs:
+            p.kill()
+
+
+def test_the_backend_follows_the_weights_device() -> None:
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda") == "nccl"
