@@ -31,7 +31,16 @@ workers can split). Reported: median rollout seconds per step, episodes per seco
 rollout, and the weight sync to the workers (``perf/rollout_sync_s``). On this 2-core
 machine two workers have a core each while the driver waits for them.
 
+Section ``sync``: the weight sync to the rollout workers against the model's size, through
+Ray's object store and by broadcast (``cluster.weight_sync``, gloo here), to 1 and 2 torch
+workers: ``RayRolloutWorkers.sync`` of the driver's model, timed from the driver (the
+weights reach every worker and are loaded into its engine). For each worker count the two
+fleets run side by side and sync in turn, ``--repeats`` times after one untimed sync (the
+broadcast's first forms its group: reported apart). Models: random Qwen2 models built
+locally, from the tiny one to about 100M parameters, float32.
+
     python benchmarks/scale.py
+    python benchmarks/scale.py --sections sync
     python benchmarks/scale.py --sections async
     python benchmarks/scale.py --sections workers
     python benchmarks/scale.py --smoke       # the tiny model only, one timed round
@@ -286,9 +295,96 @@ def workers_section(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+SYNC_MODELS = [(64, 2), (256, 4), (512, 8), (1024, 8)]
+"""(hidden size, layers) of the sync section's models: 0.1M to about 100M parameters."""
+
+
+def sync_section(args: argparse.Namespace) -> dict[str, Any]:
+    """``RayRolloutWorkers.sync`` seconds by model size, weight sync and worker count."""
+    import ray
+
+    from turnrl.distributed.rollout_workers import RayRolloutWorkers
+    from turnrl.envs import make_env_spec
+    from turnrl.models import load_tokenizer
+    from turnrl.models.tiny import TinyModelConfig, build_tiny_model
+    from turnrl.trainer.config import load_config, resolved
+    from turnrl.trainer.loop import WorkersSpec
+
+    shapes = SYNC_MODELS[:1] if args.smoke else SYNC_MODELS
+    out: dict[str, Any] = {"repeats": args.repeats, "rows": []}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="scale-sync-") as tmp:
+            for hidden, layers in shapes:
+                shape = TinyModelConfig(
+                    hidden_size=hidden, num_layers=layers, num_heads=4, vocab_size=1024,
+                    intermediate_size=hidden * 3,
+                )  # fmt: skip
+                path = build_tiny_model(Path(tmp) / f"m{hidden}x{layers}", shape)
+                model, tokenizer = load_model(path, dtype=torch.float32), load_tokenizer(path)
+                params = sum(p.numel() for p in model.parameters())
+                row: dict[str, Any] = {"hidden": hidden, "layers": layers, "params": params}
+                for n in (1, 2):
+                    fleets = {}
+                    for mode in ("object_store", "broadcast"):
+                        c = resolved(
+                            load_config(None, [f"cluster.rollout_workers={n}", "threads=1",
+                                               f"cluster.weight_sync={mode}"])
+                        )  # fmt: skip
+                        family = make_env_spec(c.env.name, **c.env.options)
+                        spec = WorkersSpec(c, family, model, tokenizer, 0, path)
+                        fleets[mode] = RayRolloutWorkers(spec, n, threads=1, weight_sync=mode)
+                    try:
+                        times: dict[str, list[float]] = {mode: [] for mode in fleets}
+                        for r in range(args.repeats + 1):
+                            for mode, fleet in fleets.items():
+                                t0 = time.perf_counter()
+                                fleet.sync(model, r + 1)
+                                times[mode].append(time.perf_counter() - t0)
+                    finally:
+                        for fleet in fleets.values():
+                            fleet.close()
+                    for mode, ts in times.items():
+                        row[f"{mode}, {n}"] = statistics.median(ts[1:])
+                    row[f"broadcast first, {n}"] = times["broadcast"][0]
+                out["rows"].append(row)
+                print("sync", json.dumps(row), flush=True)
+    finally:
+        ray.shutdown()
+    return out
+
+
+def sync_table(sync: dict[str, Any]) -> list[str]:
+    """The sync section's table: seconds, and what they make per second of weights."""
+    lines = [
+        "",
+        f"## Weight sync to rollout workers (median of {sync['repeats']}, torch workers)",
+        "",
+        "| model | parameters | MB | object store, 1 worker s | broadcast, 1 worker s "
+        "| object store, 2 workers s | broadcast, 2 workers s | broadcast's first (group "
+        "formed), 2 workers s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sync["rows"]:
+        lines.append(
+            f"| {r['hidden']} x {r['layers']} | {r['params'] / 1e6:.2f}M | "
+            f"{r['params'] * 4 / 2**20:.1f} | {r['object_store, 1']:.3f} | "
+            f"{r['broadcast, 1']:.3f} | {r['object_store, 2']:.3f} | {r['broadcast, 2']:.3f} | "
+            f"{r['broadcast first, 2']:.2f} |"
+        )
+    lines += [
+        "",
+        "Timed from the driver: the weights leave the driver's model and are loaded into "
+        "every worker's engine. Broadcast: gloo over this machine's loopback (on GPUs it "
+        "would be NCCL, not measured here); object store: one put into Ray's shared memory, "
+        "each worker reading it.",
+    ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["learner", "async", "workers"])
+    parser.add_argument("--sections", nargs="+", default=["learner", "async", "workers", "sync"])
     parser.add_argument(
         "--workers-latency", type=float, default=0.0, help="tool seconds (workers section)"
     )
@@ -318,6 +414,7 @@ def main() -> None:
             print(name, json.dumps({k: v for k, v in row.items() if k != "model"}), flush=True)
     asynchronous = async_section(args) if "async" in args.sections else kept.get("async")
     workers = workers_section(args) if "workers" in args.sections else kept.get("workers")
+    sync = sync_section(args) if "sync" in args.sections else kept.get("sync")
     if "learner" not in args.sections:  # a section not re-run keeps its last figures
         rows = kept.get("rows", [])
     meta = {
@@ -332,7 +429,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         **meta, "rows": rows, **({"async": asynchronous} if asynchronous else {}),
-        **({"workers": workers} if workers else {}),
+        **({"workers": workers} if workers else {}), **({"sync": sync} if sync else {}),
     }  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=2))
     lines = [
@@ -429,6 +526,8 @@ def main() -> None:
             "Workers run one torch thread each; the driver (which trains) waits while they "
             "sample. The evaluation's episodes run on the workers too (not timed here).",
         ]
+    if sync:
+        lines += sync_table(sync)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -292,6 +292,10 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert w["in process, 1 thread"]["sync_s"] is None  # nothing to sync in process
     assert w["1 worker"]["sync_s"] > 0
     assert w["2 workers"]["sync_s"] > 0
+    (sync,) = data["sync"]["rows"]
+    assert (sync["hidden"], sync["layers"]) == (64, 2)
+    timed = [f"{mode}, {n}" for mode in ("object_store", "broadcast") for n in (1, 2)]
+    assert all(sync[key] > 0 for key in [*timed, "broadcast first, 1", "broadcast first, 2"])
 
 
 CHECKS: dict[str, Check] = {

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 from conftest import SMALL_RUN
 from turnrl.api import train
+from turnrl.distributed import weight_broadcast
 from turnrl.distributed.rollout_workers import (
     RayRolloutWorkers,
     RolloutWorker,
@@ -285,8 +286,9 @@ def sampled_as_in_process(
 
 
 def dies_in_the_broadcast(worker: Any) -> None:
-    """Run in a worker (``__ray_call__``): its process exits at the second tensor of the
-    next broadcast, as a worker killed mid-sync."""
+    """Run in a worker (``__ray_call__``): its process exits at the second collective of
+    the next broadcast (one per tensor: the test sets the buckets' size to 1 byte), as a
+    worker killed mid-sync."""
     group = worker._receiver._group
     calls = []
 
@@ -306,13 +308,14 @@ def dies_in_the_broadcast(worker: Any) -> None:
 )
 def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
     local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path, by_value: None,
-    sync: str, when: str,
+    sync: str, when: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Worker 1's process is killed before a weight sync (or, with the broadcast, in the
     middle of one): the sync replaces it (counted), and both workers then sample with the
     synced weights and version, exactly as a worker in this process holding them does.
     Killed during a broadcast, it leaves worker 0 blocked in the collective: worker 0 is
     replaced too, and the sync sent again to both."""
+    monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", 1)  # each tensor a collective
     c = resolved(config(2, f"cluster.weight_sync={sync}"))
     family = make_env_spec(c.env.name, **c.env.options)
     workers = RayRolloutWorkers(

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from turnrl.distributed import weight_broadcast
 from turnrl.distributed.weight_broadcast import (
     BroadcastAborted,
     Receiver,
     Rendezvous,
     Sender,
     backend_for,
+    buckets,
     layout_of,
 )
 from turnrl.distributed.wire import decode, encode
@@ -92,7 +94,13 @@ def dead(procs: list[Any]) -> list[int]:
     return [r for r, p in enumerate(procs, start=1) if p.exitcode is not None]
 
 
-def test_every_receiver_gets_each_sync_exactly_in_its_dtype() -> None:
+@pytest.mark.parametrize("bucket_bytes", [1, weight_broadcast.BUCKET_BYTES])
+def test_every_receiver_gets_each_sync_exactly_in_its_dtype(
+    bucket_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tensor a collective of its own, or runs of one dtype flattened into one (the
+    receivers cut them as the sender did)."""
+    monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", bucket_bytes)
     sender, procs, out = start([["receive", "receive"], ["receive", "receive"]])
     try:
         for n in (1, 2):
@@ -166,3 +174,14 @@ def test_a_receiver_that_never_comes_is_named_after_the_deadline() -> None:
 def test_the_backend_follows_the_weights_device() -> None:
     assert backend_for("cpu") == "gloo"
     assert backend_for("cuda") == "nccl"
+
+
+def test_buckets_are_runs_of_one_dtype_within_the_size() -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    layout = [
+        ("a", (4,), f32), ("b", (2, 2), f32), ("c", (8,), f32),  # 16 + 16 + 32 bytes
+        ("d", (3,), bf16), ("e", (100,), f32), ("f", (), f32), ("g", (0, 4), f32),
+    ]  # fmt: skip
+    assert buckets(layout, 32) == [[0, 1], [2], [3], [4], [5, 6]]
+    assert buckets(layout, 1) == [[i] for i in range(7)]
+    assert buckets(layout, 2**20) == [[0, 1, 2], [3], [4, 5, 6]]

@@ -5,8 +5,9 @@ The driver (rank 0) and the N workers (ranks 1..N) form a torch.distributed grou
 own, outside any default group a process may have: gloo for weights in CPU memory, NCCL
 for weights on GPUs (every member then on a GPU of its own: NCCL refuses two members on
 one device). Its rendezvous is a ``TCPStore`` the driver holds. A sync sends each tensor
-once, by one broadcast per tensor, into buffers the workers allocate from the layout
-(names, shapes, dtypes) the driver gives them; on GPUs the weights go from the driver's
+once, into buffers the workers allocate from the layout (names, shapes, dtypes) the driver
+gives them: one broadcast per run of small tensors of one dtype, flattened into one
+buffer (``buckets``), and one per larger tensor; on GPUs the weights go from the driver's
 model to the engines' GPUs without passing through CPU memory.
 
 A collective whose member has died blocks the others until the group's timeout, and an
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +49,11 @@ Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
 """What a receiver allocates: each tensor's name, shape and dtype, in the order sent."""
 
 POLL_S = 0.005
-"""How often the driver looks at a counter while it waits for the receivers."""
+"""How often, at most, the driver looks at a counter while it waits for the receivers (at
+first more often: they are usually there within a millisecond)."""
+BUCKET_BYTES = 32 * 2**20
+"""The most bytes of tensors sent as one flat buffer (the sender's copy of a bucket is its
+only memory beyond the weights; a tensor larger than this goes alone, uncopied)."""
 FORM_TIMEOUT_S = 60.0
 """How long the group's construction may take once every member is known to be there
 (the construction blocks until every member has joined)."""
@@ -69,13 +75,15 @@ class BroadcastAborted(BroadcastError):
 @dataclass(frozen=True)
 class Rendezvous:
     """Where a receiver joins the group: the driver's store, the group's size (the
-    driver included), its backend and every wait's deadline."""
+    driver included), its backend, every wait's deadline, and the buckets' size (the
+    sender's, so that both sides cut a layout alike)."""
 
     host: str
     port: int
     world: int
     backend: str
     timeout_s: float
+    bucket_bytes: int = 0
 
 
 def backend_for(device: str) -> str:
@@ -86,6 +94,23 @@ def backend_for(device: str) -> str:
 def layout_of(weights: Mapping[str, torch.Tensor]) -> Layout:
     """``weights``' layout, in their order."""
     return [(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
+
+
+def buckets(layout: Layout, max_bytes: int) -> list[list[int]]:
+    """``layout``'s tensors (by index, in order) cut into runs of one dtype of at most
+    ``max_bytes`` each, a larger tensor alone: each run is one broadcast."""
+    out: list[list[int]] = []
+    size = 0
+    for i, (_, shape, dtype) in enumerate(layout):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        last = layout[out[-1][-1]][2] if out else None
+        if out and last == dtype and size + nbytes <= max_bytes:
+            out[-1].append(i)
+            size += nbytes
+        else:
+            out.append([i])
+            size = nbytes
+    return out
 
 
 def _group(store: Any, rank: int, rendezvous: Rendezvous) -> Any:
@@ -124,7 +149,9 @@ class Sender:
 
     def __init__(self, host: str, num_receivers: int, backend: str, timeout_s: float) -> None:
         self._store = _store(host, 0, timeout_s, master=True)
-        self.rendezvous = Rendezvous(host, self._store.port, num_receivers + 1, backend, timeout_s)
+        self.rendezvous = Rendezvous(
+            host, self._store.port, num_receivers + 1, backend, timeout_s, BUCKET_BYTES
+        )
         self._group: Any = None
         self.syncs = 0
         """Syncs begun on this group; the receivers are told each one's number
@@ -156,6 +183,7 @@ class Sender:
         receiver first, or after ``timeout_s``."""
         world, timeout_s = self.rendezvous.world, self.rendezvous.timeout_s
         deadline = time.monotonic() + timeout_s
+        polls = 0
         while (came := self._store.add(counter, 0)) < world - 1:
             late = list(failed())
             if late or time.monotonic() > deadline:
@@ -166,7 +194,8 @@ class Sender:
                     else f"{world - 1 - came} receiver(s) did not come within {timeout_s:.0f} s"
                 )
                 raise BroadcastAborted(f"{what}: {who}", late)
-            time.sleep(POLL_S)
+            polls += 1
+            time.sleep(min(POLL_S, 1e-4 * 2**polls))
         self._store.set(word, "go")
 
     def send(
@@ -180,13 +209,18 @@ class Sender:
         self.syncs += 1
         n = self.syncs
         self._gather(f"ready/{n}", f"word/{n}", f"weight broadcast {n}", failed)
-        for name, tensor in weights.items():
+        names, tensors = list(weights), list(weights.values())
+        for bucket in buckets(layout_of(weights), self.rendezvous.bucket_bytes):
             try:
-                _broadcast(self._group, tensor.detach().contiguous())
+                if len(bucket) == 1:
+                    _broadcast(self._group, tensors[bucket[0]].detach().contiguous())
+                else:  # one flat buffer: one collective for many small tensors
+                    _broadcast(self._group, torch.cat([tensors[i].reshape(-1) for i in bucket]))
             except Exception as exc:
                 raise BroadcastError(
-                    f"weight broadcast {n} failed at {name}: {exc} (the receivers that had "
-                    f"not finished wait until their {self.rendezvous.timeout_s:.0f} s timeout)"
+                    f"weight broadcast {n} failed at {names[bucket[0]]}: {exc} (the "
+                    "receivers that had not finished wait until their "
+                    f"{self.rendezvous.timeout_s:.0f} s timeout)"
                 ) from exc
 
     def close(self) -> None:
@@ -224,10 +258,13 @@ class Receiver:
         if not self._word(f"ready/{n}", f"word/{n}"):
             return None
         out = {}
-        for name, shape, dtype in layout:
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-            _broadcast(self._group, tensor)
-            out[name] = tensor
+        for bucket in buckets(layout, self.rendezvous.bucket_bytes):
+            sizes = [math.prod(layout[i][1]) for i in bucket]
+            flat = torch.empty(sum(sizes), dtype=layout[bucket[0]][2], device=self.device)
+            _broadcast(self._group, flat)
+            for i, piece in zip(bucket, torch.split(flat, sizes), strict=True):
+                name, shape, _ = layout[i]
+                out[name] = piece.view(shape)
         return out
 
     def close(self) -> None:
