@@ -119,7 +119,7 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     out = capsys.readouterr().out
     assert tomllib.loads(out)["cluster"] == {
         "learner_ranks": 2, "fsdp_unit": "layer", "learner_placement": "local",
-        "rollout_workers": 0, "weight_sync": "object_store", "worker_timeout_s": 900.0,
+        "rollout_workers": 0, "weight_sync": "auto", "worker_timeout_s": 900.0,
         "address": "",
     }  # fmt: skip
     assert "rollout_workers = 0  # Inference engines with their environments: 0 samples" in out

@@ -35,6 +35,7 @@ from turnrl.distributed.rollout_workers import (
     RayRolloutWorkers,
     RolloutWorker,
     RolloutWorkerError,
+    chosen_weight_sync,
     contiguous_shards,
     worker_resources,
 )
@@ -121,7 +122,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, local_ray: None) -> dict[str,
         ("in_process", 0),
         ("one", 1),
         ("two", 2),
-        ("broadcast", 1, BROADCAST),
+        ("object_store", 1, OBJECT_STORE),
     ):
         out[name] = base / name
         train(config(workers, *more), out=out[name], progress=False)
@@ -129,6 +130,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, local_ray: None) -> dict[str,
 
 
 BROADCAST = "cluster.weight_sync=broadcast"
+OBJECT_STORE = "cluster.weight_sync=object_store"
 
 
 def test_one_worker_gives_the_in_process_run(runs: dict[str, Path]) -> None:
@@ -139,11 +141,22 @@ def test_one_worker_gives_the_in_process_run(runs: dict[str, Path]) -> None:
     assert [r["rollout/worker_restarts"] for r in got[1:]] == [0.0, 0.0, 0.0]
 
 
-def test_one_worker_synced_by_broadcast_gives_the_in_process_run(runs: dict[str, Path]) -> None:
-    expected, got = rows(runs["in_process"]), rows(runs["broadcast"])
+def test_one_worker_synced_through_the_object_store_gives_the_in_process_run(
+    runs: dict[str, Path],
+) -> None:
+    expected, got = rows(runs["in_process"]), rows(runs["object_store"])
     assert [deterministic(r) for r in got] == [deterministic(r) for r in expected]
-    assert episodes(runs["broadcast"]) == episodes(runs["in_process"])
+    assert episodes(runs["object_store"]) == episodes(runs["in_process"])
     assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
+
+
+def test_the_weight_sync_is_the_broadcast_on_a_cpu_and_the_object_store_on_a_gpu() -> None:
+    assert chosen_weight_sync("auto", "cpu") == "broadcast"
+    assert chosen_weight_sync("auto", "cuda") == "object_store"
+    for setting in ("object_store", "broadcast"):
+        assert chosen_weight_sync(setting, "cpu") == chosen_weight_sync(setting, "cuda") == setting
+    with pytest.raises(ValueError, match="weight_sync must be auto, object_store or broadcast"):
+        chosen_weight_sync("nccl", "cpu")
 
 
 def test_two_workers_agree_with_the_in_process_run(runs: dict[str, Path]) -> None:

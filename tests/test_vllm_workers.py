@@ -57,8 +57,8 @@ def test_one_vllm_worker_gives_the_in_process_vllm_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same run with its vLLM engine in this process and on one Ray worker (whose
-    engine is built from the run's model directory), synced through the object store and
-    by broadcast: the same episodes, the same metrics, bit for bit; the start-up check's
+    engine is built from the run's model directory), synced by broadcast (the CPU's
+    ``auto``) and through the object store: the same episodes, the same metrics, bit for bit; the start-up check's
     gap included, though with a worker it runs on the worker's engine: the driver builds
     none."""
     built: list[int] = []  # vLLM engines built in this process, per run
@@ -70,14 +70,16 @@ def test_one_vllm_worker_gives_the_in_process_vllm_run(
 
     monkeypatch.setattr(loop, "vllm_sampler", counted)
     runs = {}
-    layouts = (("in_process", 0), ("one", 1), ("broadcast", 1, "cluster.weight_sync=broadcast"))
+    layouts = (
+        ("in_process", 0), ("one", 1), ("object_store", 1, "cluster.weight_sync=object_store")
+    )  # fmt: skip
     for name, workers, *more in layouts:
         runs[name] = tmp_path / name
         built.append(0)
         train(config(workers, *more), out=runs[name], progress=False)
     assert built == [1, 0, 0]
     expected = rows(runs["in_process"])
-    for name in ("one", "broadcast"):
+    for name in ("one", "object_store"):
         assert turns(runs[name]) == turns(runs["in_process"]), name
         got = rows(runs[name])
         assert [deterministic(r) for r in got] == [deterministic(r) for r in expected], name

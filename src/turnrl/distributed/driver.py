@@ -26,7 +26,10 @@ adapter weights; FSDP2 shards the frozen base with them, and only the adapters t
 critic beside them: a value head, or a value model that starts as the driver's policy
 (adapters included) and trains its own adapters, as in process.
 
-Not here yet: a weight broadcast other than through Ray's object store.
+From the driver's model the weights go on to the rollout workers as
+``cluster.weight_sync`` says (rollout_workers.py): through Ray's object store, or by a
+broadcast of their own. Not here yet: the ranks broadcasting to the workers themselves
+(every sync goes through the driver's model).
 """
 
 from __future__ import annotations

@@ -16,18 +16,23 @@ seed depends only on (run seed, task, sample index), so a task's episodes do not
 which worker ran them. The engines' floating-point work can still differ slightly with the
 batch they share, so only one worker reproduces the in-process run bit for bit.
 
-Weight sync: the learner's whole state dict (LoRA merged) goes once into Ray's object
-store (shared memory on a node), and every worker loads it with the driver's policy
-version, between batches and never while sampling; a vLLM worker takes it in place through
-the engine's ``reload_weights``, as the in-process vLLM engine does. ``perf/rollout_sync_s``
-is the time it takes.
+Weight sync (``cluster.weight_sync``): the learner's whole state dict (LoRA merged) goes
+once into Ray's object store (shared memory on a node), and every worker loads it, or it
+goes by one collective broadcast from this process to every worker over a group of their
+own (weight_broadcast.py: gloo on CPUs, NCCL on GPUs). Either way each worker takes it with
+the driver's policy version, between batches and never while sampling; a vLLM worker takes
+it in place through the engine's ``reload_weights``, as the in-process vLLM engine does.
+``perf/rollout_sync_s`` is the time it takes.
 
 Faults: every call has a deadline, and a worker that misses it stops the run with an error
 that names it. A worker that dies (its process killed, its node lost) is replaced by a new
 actor holding the current weights and version, and its whole shard runs again. The dead
 worker's episodes were never handed over, so none is lost and none is counted twice; with
 the same weights and seeds the rerun gives the episodes the dead worker would have given.
-``rollout/worker_restarts`` counts the replacements.
+With the broadcast, a worker that dies before a sync calls it off, one that dies during it
+leaves the others blocked in the collective: the workers that did not finish are replaced,
+the group is formed again and the sync sent again. ``rollout/worker_restarts`` counts the
+replacements.
 """
 
 from __future__ import annotations
@@ -189,14 +194,12 @@ class RayRolloutWorkers:
         threads: int = 0,
         start_timeout_s: float = START_TIMEOUT_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
-        weight_sync: str = "object_store",
+        weight_sync: str = "auto",
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if weight_sync not in ("object_store", "broadcast"):
-            raise ValueError(f"weight_sync must be object_store or broadcast, got {weight_sync!r}")
-        self.weight_sync = weight_sync
         self.device = "cuda" if next(spec.model.parameters()).device.type == "cuda" else "cpu"
+        self.weight_sync = chosen_weight_sync(weight_sync, self.device)
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -485,6 +488,17 @@ def worker_resources(device: str, num_workers: int, cluster_gpus: int) -> dict[s
             "model.device = 'cpu')"
         )
     return {"num_cpus": 1, "num_gpus": 1}
+
+
+def chosen_weight_sync(setting: str, device: str) -> str:
+    """``cluster.weight_sync``'s way for a policy on ``device``: ``auto`` is the broadcast
+    on the CPU and the object store on a GPU (where the broadcast, over NCCL, needs every
+    worker on a GPU other than the driver's, and has not run yet)."""
+    if setting not in ("auto", "object_store", "broadcast"):
+        raise ValueError(f"weight_sync must be auto, object_store or broadcast, got {setting!r}")
+    if setting == "auto":
+        return "broadcast" if device == "cpu" else "object_store"
+    return setting
 
 
 def _nccl_hint(backend: str) -> str:

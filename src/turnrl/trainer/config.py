@@ -640,13 +640,15 @@ class ClusterConfig:
     the episodes on N Ray actors (a local Ray cluster, or ``address``'s), each a torch
     engine with its own environments, synced from the learner after every update. One
     worker gives the in-process run's metrics exactly."""
-    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    weight_sync: Literal["auto", "object_store", "broadcast"] = "auto"
     """How the learner's weights reach the rollout workers after every update:
     ``object_store``: put once into Ray's object store (shared memory on a node), and each
     worker reads them from there; ``broadcast``: one collective broadcast from the driver to
     every worker over a group of their own (weight_broadcast.py): gloo on CPUs, NCCL on
     GPUs, where the weights stay in GPU memory (every worker then needs a GPU other than
-    the driver's)."""
+    the driver's; not yet run on GPUs); ``auto``: the broadcast for a policy on the CPU
+    (where it was faster from 3M parameters up: benchmarks/results/scale.md, "Weight
+    sync"), the object store for one on a GPU."""
     worker_timeout_s: float = 900.0
     """The deadline of each call to a rollout worker (a batch of episodes, a weight sync);
     a worker that misses it stops the run with an error naming it."""
@@ -983,7 +985,7 @@ def inert_settings(config: Config) -> list[str]:
             "(cluster.rollout_workers >= 1) and learner ranks placed by Ray "
             "(cluster.learner_placement = 'ray') join a Ray cluster"
         )
-    if c.weight_sync != "object_store" and c.rollout_workers == 0:
+    if c.weight_sync != "auto" and c.rollout_workers == 0:
         out["cluster.weight_sync"] = (
             f"cluster.weight_sync = {c.weight_sync!r} has no effect: it is how the weights "
             "reach rollout workers (cluster.rollout_workers >= 1)"
