@@ -311,7 +311,10 @@ def sync_section(args: argparse.Namespace) -> dict[str, Any]:
     from turnrl.trainer.loop import WorkersSpec
 
     shapes = SYNC_MODELS[:1] if args.smoke else SYNC_MODELS
-    out: dict[str, Any] = {"repeats": args.repeats, "rows": []}
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "load_average_before": os.getloadavg()[0],
+        "repeats": args.repeats, "rows": [],
+    }  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="scale-sync-") as tmp:
@@ -359,6 +362,8 @@ def sync_table(sync: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"## Weight sync to rollout workers (median of {sync['repeats']}, torch workers)",
+        "",
+        f"{sync.get('date', '')}, load average before: {sync.get('load_average_before', 0):.1f}.",
         "",
         "| model | parameters | MB | object store, 1 worker s | broadcast, 1 worker s "
         "| object store, 2 workers s | broadcast, 2 workers s | broadcast's first (group "
@@ -426,6 +431,8 @@ def main() -> None:
         "samples": args.samples,
         "tokens": sum(len(s.input_ids) for s in batch),
     }
+    if "learner" not in args.sections:  # the learner table's figures are the kept ones
+        meta.update({k: kept[k] for k in meta if k in kept})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         **meta, "rows": rows, **({"async": asynchronous} if asynchronous else {}),

@@ -269,6 +269,14 @@ def test_a_hung_worker_stops_the_run_naming_it(
     assert time.monotonic() - armed[0] < 30
 
 
+def sampled_turns(groups: Any) -> list[tuple[Any, ...]]:
+    """(task, completion tokens, policy version) of every turn of ``groups``."""
+    return [
+        (t.task_id, turn.completion_ids, turn.policy_version)
+        for group in groups for t in group for turn in t.turns
+    ]  # fmt: skip
+
+
 def updated(model: Any) -> None:
     """An update: weights the workers must sample with after the next sync."""
     with torch.no_grad():
@@ -288,14 +296,8 @@ def sampled_as_in_process(
     local = RolloutWorker(c, family, policy, tokenizer, version, threads=1)
     expected = local.collect(tasks, spec)
 
-    def turns(groups: Any) -> list[tuple[Any, ...]]:
-        return [
-            (t.task_id, turn.completion_ids, turn.policy_version)
-            for group in groups for t in group for turn in t.turns
-        ]  # fmt: skip
-
-    assert turns(got) == turns(expected)
-    assert {v for *_, v in turns(got)} == {version}
+    assert sampled_turns(got) == sampled_turns(expected)
+    assert {v for *_, v in sampled_turns(got)} == {version}
 
 
 def dies_in_the_broadcast(worker: Any) -> None:
@@ -443,14 +445,49 @@ def test_a_worker_on_the_gpu_samples_there_as_the_policy_does_in_process(
     local.load_weights({k: v.cpu() for k, v in policy.state_dict().items()}, 1)
     expected.append(local.collect(tasks, GroupSpec(2, limits, sampling, seed=3, policy_version=1)))
 
-    def turns(groups: Any) -> list[tuple[Any, ...]]:
-        return [
-            (t.task_id, turn.completion_ids, turn.policy_version)
-            for group in groups for t in group for turn in t.turns
-        ]  # fmt: skip
+    assert [sampled_turns(g) for g in got] == [sampled_turns(g) for g in expected]
+    assert {v for *_, v in sampled_turns(got[1])} == {1}
 
-    assert [turns(g) for g in got] == [turns(g) for g in expected]
-    assert {v for *_, v in turns(got[1])} == {1}
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_broadcast_reaches_a_worker_on_another_gpu_over_nccl(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    """``cluster.weight_sync = "broadcast"`` with the policy on a GPU: NCCL from the
+    driver's GPU (the last one) to the worker's (Ray gives the first actor the first);
+    the worker then samples as a worker holding the synced weights does. Not yet run: the
+    lent machines have one GPU."""
+    driver_gpu = torch.cuda.device_count() - 1
+    torch.cuda.set_device(driver_gpu)
+    c = resolved(config(1, "model.device=cuda", BROADCAST))
+    family = make_env_spec(c.env.name, **c.env.options)
+    policy = copy.deepcopy(model).to("cuda")
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, policy, tokenizer, 0, tiny_model_dir), 1, threads=1,
+        weight_sync="broadcast",
+    )  # fmt: skip
+    try:
+        gpus = ray.get(
+            workers.actors[0].__ray_call__.remote(lambda w: ray.get_gpu_ids()), timeout=60
+        )
+        assert [int(g) for g in gpus] != [driver_gpu], "Ray gave the worker the driver's GPU"
+        updated(policy)
+        workers.sync(policy, 1)
+        assert workers._sender is not None
+        assert workers._sender.rendezvous.backend == "nccl"
+        synced = copy.deepcopy(policy).to("cpu")
+        sampled = {}
+        sampling, limits = episode_settings(c, tokenizer)
+        spec = GroupSpec(2, limits, sampling, seed=3, policy_version=1)
+        tasks = [family.task(i) for i in range(4)]
+        sampled["worker"] = workers.collect(tasks, spec)
+    finally:
+        workers.close()
+    local = RolloutWorker(c, family, synced, tokenizer, 1, 1, device="cuda")
+    sampled["local"] = local.collect(tasks, spec)
+
+    assert sampled_turns(sampled["worker"]) == sampled_turns(sampled["local"])
 
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.lr=0.05"]
