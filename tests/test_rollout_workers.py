@@ -355,6 +355,34 @@ def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
         workers.close()
 
 
+def test_workers_that_cannot_reach_the_driver_s_store_stop_the_sync_saying_so(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The driver's store advertised at an address the workers cannot reach (TEST-NET-1,
+    as a firewalled driver node): the first sync stops within the join deadline, naming
+    the address and what to do, and restarts no worker (they are not the problem)."""
+    c = resolved(config(2, BROADCAST))
+    family = make_env_spec(c.env.name, **c.env.options)
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1,
+        weight_sync="broadcast", join_timeout_s=3.0,
+    )  # fmt: skip
+    try:
+        monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.1")
+        started = time.monotonic()
+        with pytest.raises(
+            RolloutWorkerError,
+            match=r"none could join the weight broadcast group at the driver's store "
+            r"192\.0\.2\.1:\d+: every worker node must reach the driver's node",
+        ):
+            workers.sync(model, 1)
+        assert time.monotonic() - started < 30
+        assert workers.take_metrics() == {"rollout/worker_restarts": 0.0}
+    finally:
+        workers.close()
+
+
 def test_a_worker_replaced_mid_batch_of_an_asynchronous_run_holds_the_synced_weights(
     local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
 ) -> None:

@@ -52,6 +52,7 @@ from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
 from turnrl.distributed.weight_broadcast import (
+    JOIN_TIMEOUT_S,
     BroadcastAborted,
     BroadcastError,
     Layout,
@@ -195,6 +196,7 @@ class RayRolloutWorkers:
         start_timeout_s: float = START_TIMEOUT_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
         weight_sync: str = "auto",
+        join_timeout_s: float = JOIN_TIMEOUT_S,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -203,6 +205,7 @@ class RayRolloutWorkers:
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.join_timeout_s = join_timeout_s
         cores = os.cpu_count() or 1
         self.threads = threads or spec.config.threads or max(1, cores // num_workers)
         self.actors: list[Any] = []
@@ -369,7 +372,9 @@ class RayRolloutWorkers:
         for _ in range(MAX_RESTARTS + 1):
             self._close_group()
             host = self.ray.util.get_node_ip_address()
-            sender = Sender(host, self.num_workers, self._backend, self.call_timeout_s)
+            sender = Sender(
+                host, self.num_workers, self._backend, self.call_timeout_s, self.join_timeout_s
+            )
             joins = [
                 a.join_broadcast.remote(sender.rendezvous, w + 1) for w, a in enumerate(self.actors)
             ]
@@ -378,8 +383,17 @@ class RayRolloutWorkers:
             except BroadcastError as exc:
                 sender.close()
                 problem = str(exc)
-                grace = 60.0 if isinstance(exc, BroadcastAborted) else 5.0
-                self._replace_unfinished(joins, grace)
+                grace = 2 * self.join_timeout_s if isinstance(exc, BroadcastAborted) else 5.0
+                unreachable = self._join_errors(joins, grace)
+                if len(unreachable) == self.num_workers:  # the network, not the workers
+                    r = sender.rendezvous
+                    raise RolloutWorkerError(
+                        f"rollout workers: none could join the weight broadcast group at the "
+                        f"driver's store {r.host}:{r.port}: every worker node must reach the "
+                        "driver's node (docs/scaling.md, the runbook's ports), or set "
+                        f"cluster.weight_sync = 'object_store'. Worker 0: {unreachable[0]}"
+                    ) from exc
+                self._replace_unfinished(joins, 0.0)
                 continue
             self._wait(joins, "joining the weight broadcast group", self.call_timeout_s)
             self._sender = sender
@@ -388,6 +402,21 @@ class RayRolloutWorkers:
             f"rollout workers: the weight broadcast group did not form in {MAX_RESTARTS + 1} "
             f"tries, the last with: {problem}" + _nccl_hint(self._backend)
         )
+
+    def _join_errors(self, joins: list[Any], grace_s: float) -> list[str]:
+        """The errors raised by the workers' ``join_broadcast`` calls that raised within
+        ``grace_s`` (a worker that died, or did not answer, is not counted)."""
+        self.ray.wait(joins, num_returns=len(joins), timeout=grace_s)
+        done, _ = self.ray.wait(joins, num_returns=len(joins), timeout=0)
+        errors = []
+        for ref in done:
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:
+                pass
+            except self.ray.exceptions.RayTaskError as exc:
+                errors.append(str(exc).strip().splitlines()[-1])
+        return errors
 
     def _finished(self, calls: list[Any]) -> list[int]:
         """The ranks (worker + 1) whose ``calls`` have already returned (before a

@@ -54,6 +54,9 @@ first more often: they are usually there within a millisecond)."""
 BUCKET_BYTES = 32 * 2**20
 """The most bytes of tensors sent as one flat buffer (the sender's copy of a bucket is its
 only memory beyond the weights; a tensor larger than this goes alone, uncopied)."""
+JOIN_TIMEOUT_S = 60.0
+"""How long the receivers may take to reach the driver's store and count themselves in (a
+worker node that cannot reach the driver's node fails here, not after a sync's deadline)."""
 FORM_TIMEOUT_S = 60.0
 """How long the group's construction may take once every member is known to be there
 (the construction blocks until every member has joined)."""
@@ -75,14 +78,15 @@ class BroadcastAborted(BroadcastError):
 @dataclass(frozen=True)
 class Rendezvous:
     """Where a receiver joins the group: the driver's store, the group's size (the
-    driver included), its backend, every wait's deadline, and the buckets' size (the
-    sender's, so that both sides cut a layout alike)."""
+    driver included), its backend, the deadline of a sync's waits and of joining, and the
+    buckets' size (the sender's, so that both sides cut a layout alike)."""
 
     host: str
     port: int
     world: int
     backend: str
     timeout_s: float
+    join_timeout_s: float = 0.0
     bucket_bytes: int = 0
 
 
@@ -147,11 +151,21 @@ class Sender:
     ``Sender(...)`` opens the store (its ``rendezvous`` is what the receivers need), the
     caller asks the receivers to join, then ``connect()``."""
 
-    def __init__(self, host: str, num_receivers: int, backend: str, timeout_s: float) -> None:
-        self._store = _store(host, 0, timeout_s, master=True)
+    def __init__(
+        self,
+        host: str,
+        num_receivers: int,
+        backend: str,
+        timeout_s: float,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+    ) -> None:
+        # The store listens on every interface; this process reaches it over loopback, and
+        # the receivers at ``host``, this node's address on their network.
+        self._store = _store("127.0.0.1", 0, timeout_s, master=True)
         self.rendezvous = Rendezvous(
-            host, self._store.port, num_receivers + 1, backend, timeout_s, BUCKET_BYTES
-        )
+            host, self._store.port, num_receivers + 1, backend, timeout_s, join_timeout_s,
+            BUCKET_BYTES,
+        )  # fmt: skip
         self._group: Any = None
         self.syncs = 0
         """Syncs begun on this group; the receivers are told each one's number
@@ -164,9 +178,10 @@ class Sender:
 
     def connect(self, failed: Callable[[], Sequence[int]]) -> None:
         """Form the group once every receiver is joining; ``failed()`` names the receivers
-        known not to be coming (``BroadcastAborted`` then, or after ``timeout_s``). A
+        known not to be coming (``BroadcastAborted`` then, or after ``join_timeout_s``). A
         construction that fails raises ``BroadcastError``."""
-        self._gather("joining", "word/join", "the weight broadcast group's forming", failed)
+        what = "the weight broadcast group's forming"
+        self._gather("joining", "word/join", what, failed, self.rendezvous.join_timeout_s)
         self._store.set_timeout(datetime.timedelta(seconds=FORM_TIMEOUT_S))
         try:
             self._group = _group(self._store, 0, self.rendezvous)
@@ -176,12 +191,17 @@ class Sender:
             self._store.set_timeout(datetime.timedelta(seconds=self.rendezvous.timeout_s))
 
     def _gather(
-        self, counter: str, word: str, what: str, failed: Callable[[], Sequence[int]]
+        self,
+        counter: str,
+        word: str,
+        what: str,
+        failed: Callable[[], Sequence[int]],
+        timeout_s: float,
     ) -> None:
         """Wait until every receiver has added itself to ``counter``, then say "go" under
         ``word``; say "abort" and raise ``BroadcastAborted`` if ``failed()`` names any
         receiver first, or after ``timeout_s``."""
-        world, timeout_s = self.rendezvous.world, self.rendezvous.timeout_s
+        world = self.rendezvous.world
         deadline = time.monotonic() + timeout_s
         polls = 0
         while (came := self._store.add(counter, 0)) < world - 1:
@@ -208,7 +228,8 @@ class Sender:
         assert self._group is not None, "connect() first"
         self.syncs += 1
         n = self.syncs
-        self._gather(f"ready/{n}", f"word/{n}", f"weight broadcast {n}", failed)
+        what = f"weight broadcast {n}"
+        self._gather(f"ready/{n}", f"word/{n}", what, failed, self.rendezvous.timeout_s)
         names, tensors = list(weights), list(weights.values())
         for bucket in buckets(layout_of(weights), self.rendezvous.bucket_bytes):
             try:
@@ -237,25 +258,25 @@ class Receiver:
         self.rendezvous = rendezvous
         self.device = device
         self._group: Any = None
-        self._store = _store(rendezvous.host, rendezvous.port, rendezvous.timeout_s, False)
-        if not self._word("joining", "word/join"):
+        self._store = _store(rendezvous.host, rendezvous.port, rendezvous.join_timeout_s, False)
+        if not self._word("joining", "word/join", rendezvous.join_timeout_s):
             raise BroadcastAborted("the driver called off the weight broadcast group's forming")
         self._store.set_timeout(datetime.timedelta(seconds=FORM_TIMEOUT_S))
         self._group = _group(self._store, rank, rendezvous)
         self._store.set_timeout(datetime.timedelta(seconds=rendezvous.timeout_s))
 
-    def _word(self, counter: str, word: str) -> bool:
+    def _word(self, counter: str, word: str, timeout_s: float) -> bool:
         """Add this receiver to ``counter``, then the driver's word: True for "go". The
         driver gives it within ``timeout_s`` of asking (it asks, then starts waiting); this
         waits twice that, so that it never gives up before the driver's word."""
         self._store.add(counter, 1)
-        self._store.wait([word], datetime.timedelta(seconds=2 * self.rendezvous.timeout_s))
+        self._store.wait([word], datetime.timedelta(seconds=2 * timeout_s))
         return bool(self._store.get(word) == b"go")
 
     def receive(self, layout: Layout, n: int) -> dict[str, torch.Tensor] | None:
         """Sync ``n``'s tensors (the sender's ``next_sync``), or None if the driver called
         it off."""
-        if not self._word(f"ready/{n}", f"word/{n}"):
+        if not self._word(f"ready/{n}", f"word/{n}", self.rendezvous.timeout_s):
             return None
         out = {}
         for bucket in buckets(layout, self.rendezvous.bucket_bytes):
