@@ -4,9 +4,11 @@ with it (replacing workers, forming the group again) is tested in test_rollout_w
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -71,9 +73,12 @@ def receiver_process(rendezvous: Rendezvous, rank: int, plan: list[str], out: An
     receiver.close()
 
 
-def start(
+@contextlib.contextmanager
+def started(
     plans: list[list[str]], timeout_s: float = TIMEOUT_S, connect: bool = True
-) -> tuple[Sender, list[Any], Any]:
+) -> Iterator[tuple[Sender, list[Any], Any]]:
+    """A sender and a receiver process per plan (``receiver_process``), joined into a
+    group unless not ``connect``; the sender closed and the processes killed after."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     sender = Sender("127.0.0.1", len(plans), "gloo", timeout_s)
@@ -85,9 +90,14 @@ def start(
         p.start()
     joining = sorted(out.get(timeout=TIMEOUT_S) for _ in procs)  # their imports done
     assert joining == [("joining", r) for r in range(1, len(plans) + 1)]
-    if connect:
-        sender.connect(failed=lambda: dead(procs))
-    return sender, procs, out
+    try:
+        if connect:
+            sender.connect(failed=lambda: dead(procs))
+        yield sender, procs, out
+    finally:
+        sender.close()
+        for p in procs:
+            p.kill()
 
 
 def dead(procs: list[Any]) -> list[int]:
@@ -101,8 +111,7 @@ def test_every_receiver_gets_each_sync_exactly_in_its_dtype(
     """Each tensor a collective of its own, or runs of one dtype flattened into one (the
     receivers cut them as the sender did)."""
     monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", bucket_bytes)
-    sender, procs, out = start([["receive", "receive"], ["receive", "receive"]])
-    try:
+    with started([["receive", "receive"], ["receive", "receive"]]) as (sender, procs, out):
         for n in (1, 2):
             assert sender.next_sync == n
             sent = weights(n)
@@ -116,59 +125,42 @@ def test_every_receiver_gets_each_sync_exactly_in_its_dtype(
                     assert w[name].dtype == tensor.dtype
                     assert w[name].shape == tensor.shape
                     assert torch.equal(w[name], tensor), name
-    finally:
-        sender.close()
         for p in procs:
             p.join(TIMEOUT_S)
-    assert [p.exitcode for p in procs] == [0, 0]
+        assert [p.exitcode for p in procs] == [0, 0]
 
 
 def test_a_receiver_dead_before_the_group_forms_calls_it_off_and_frees_the_others() -> None:
-    sender, procs, out = start([["receive"], ["die"]], connect=False)
-    try:
-        started = time.monotonic()
+    with started([["receive"], ["die"]], connect=False) as (sender, procs, out):
+        begun = time.monotonic()
         with pytest.raises(BroadcastAborted, match=r"forming: receiver\(s\) 2 failed") as caught:
             sender.connect(failed=lambda: dead(procs))
         assert caught.value.ranks == [2]
         assert out.get(timeout=TIMEOUT_S) == ("aborted", 1)
-        assert time.monotonic() - started < TIMEOUT_S / 2  # not the store's timeout
-    finally:
-        sender.close()
-        for p in procs:
-            p.kill()
+        assert time.monotonic() - begun < TIMEOUT_S / 2  # not the store's timeout
 
 
 def test_a_receiver_dead_before_the_broadcast_calls_it_off_and_frees_the_others() -> None:
-    sender, procs, out = start([["receive", "receive"], ["receive", "die"]])
-    try:
+    with started([["receive", "receive"], ["receive", "die"]]) as (sender, procs, out):
         sender.send(weights(1), failed=lambda: dead(procs))  # both take the first
         assert sorted(out.get(timeout=TIMEOUT_S)[:2] for _ in procs) == [(1, 1), (2, 1)]
-        started = time.monotonic()
+        begun = time.monotonic()
         with pytest.raises(
             BroadcastAborted, match=r"broadcast 2: receiver\(s\) 2 failed"
         ) as caught:
             sender.send(weights(2), failed=lambda: dead(procs))
         assert caught.value.ranks == [2]
         assert out.get(timeout=TIMEOUT_S) == (1, 2, None)  # the live one got the word
-        assert time.monotonic() - started < TIMEOUT_S / 2  # not the group's timeout
-    finally:
-        sender.close()
-        for p in procs:
-            p.kill()
+        assert time.monotonic() - begun < TIMEOUT_S / 2  # not the group's timeout
 
 
 def test_a_receiver_that_never_comes_is_named_after_the_deadline() -> None:
-    sender, procs, out = start([["receive"], ["idle"]], timeout_s=3.0)
-    try:
-        started = time.monotonic()
+    with started([["receive"], ["idle"]], timeout_s=3.0) as (sender, procs, out):
+        begun = time.monotonic()
         with pytest.raises(BroadcastAborted, match=r"1 receiver\(s\) did not come within 3 s"):
             sender.send(weights(1), failed=lambda: dead(procs))
-        assert 3.0 <= time.monotonic() - started < 10.0
+        assert 3.0 <= time.monotonic() - begun < 10.0
         assert out.get(timeout=TIMEOUT_S) == (1, 1, None)
-    finally:
-        sender.close()
-        for p in procs:
-            p.kill()
 
 
 def test_the_backend_follows_the_weights_device() -> None:
