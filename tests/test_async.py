@@ -1,7 +1,8 @@
 """Asynchronous training (``algorithm.max_staleness``, trainer/pipeline.py): k = 0 is the
 synchronous run exactly; k = 1 trains each batch one version stale, with the next rollout
-overlapped, the same prompts per step, the behaviour log-probs corrected for; a run that
-dies with a batch collected ahead resumes with every prompt exactly once."""
+overlapped, the same prompts per step, the behaviour log-probs corrected for; k = 2 stays
+within its bound on the same prompts; a run that dies with batches collected ahead resumes
+with every prompt exactly once. The deeper pipeline's scheduling: tests/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ def test_k1_trains_one_version_stale_on_the_same_prompts(tmp_path: Path) -> None
     assert len(evals) == 2  # steps 2 and 4, each after the batch ahead was let finish
 
 
+@pytest.mark.parametrize("k", [1, 2])
 def test_an_async_run_resumed_after_a_crash_sees_every_prompt_exactly_once(
-    tmp_path: Path,
+    tmp_path: Path, k: int
 ) -> None:
-    settings = [*MOVING, "algorithm.max_staleness=1", "save_every=2"]
+    settings = [*MOVING, f"algorithm.max_staleness={k}", "save_every=2"]
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     train(load_config(None, settings), straight, progress=False)
 
@@ -89,6 +91,28 @@ def test_an_async_run_resumed_after_a_crash_sees_every_prompt_exactly_once(
     want = Counter((x["step"], x["task_id"], x["sample_index"]) for x in trajectories(straight))
     assert seen == want  # nothing skipped
     assert [r["step"] for r in rows(crashed)] == [0, 1, 2, 3, 4]
+
+
+def test_k2_trains_within_the_bound_on_the_same_prompts(tmp_path: Path) -> None:
+    settings = [*MOVING, "steps=6", "eval.every=3", "algorithm.epochs=3"]
+    train(load_config(None, settings), tmp_path / "sync", progress=False)
+    k2 = [*settings, "algorithm.max_staleness=2"]
+    train(load_config(None, k2), tmp_path / "k2", progress=False)
+    steps = [r for r in rows(tmp_path / "k2") if r["step"] >= 1]
+    assert steps[0]["rollout/staleness_0"] == 1.0
+    for r in steps:  # the histogram covers 0..k and every trajectory is within it
+        assert sum(r[f"rollout/staleness_{d}"] for d in range(3)) == pytest.approx(1.0)
+        assert r["rollout/policy_lag_max"] <= 2.0
+    assert steps[1]["rollout/staleness_1"] == 1.0  # queued at the first step, on its weights
+    for x in trajectories(tmp_path / "k2"):  # step s's learner holds version s - 1
+        assert x["step"] - 1 - 2 <= x["policy_version"] <= x["step"] - 1
+        assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
+
+    def prompts(run: Path) -> list[tuple[int, str]]:
+        return sorted((x["step"], x["task_id"]) for x in trajectories(run))
+
+    assert prompts(tmp_path / "k2") == prompts(tmp_path / "sync")
+    assert len([r for r in steps if "eval/success_mean" in r]) == 2  # steps 3 and 6
 
 
 def test_the_bound_is_checked() -> None:

@@ -284,8 +284,11 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert whole["2 ranks, one unit"] == params
     assert row["shard_bytes"]["2 ranks"] < whole["2 ranks"] < params
     a = data["async"]
-    assert a["k0"]["timed_steps"] == a["k1"]["timed_steps"] >= 1
+    assert a["k0"]["timed_steps"] == a["k1"]["timed_steps"] == a["k2"]["timed_steps"] >= 1
     assert a["ratio"] == pytest.approx(a["k1"]["step_s"] / a["k0"]["step_s"])
+    assert a["ratio_k2"] == pytest.approx(a["k2"]["step_s"] / a["k0"]["step_s"])
+    assert a["k0"]["stale_by_k"] == 1.0  # synchronous: every trajectory 0 versions behind
+    assert 0.0 <= a["k2"]["stale_by_k"] <= 1.0
     w = data["workers"]
     layouts = ["in process, 1 thread", "in process, 2 threads", "1 worker", "2 workers"]
     assert all(w[k]["rollout_s"] > 0 and w[k]["episodes_per_s"] > 0 for k in layouts)

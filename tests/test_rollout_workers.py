@@ -421,6 +421,26 @@ def test_asynchronous_training_on_workers_collects_the_same_prompts(
     assert ids == [(step, task, sample) for step, task, sample, _ in episodes(runs["two"])]
 
 
+def test_two_steps_deep_on_workers_the_background_thread_syncs_them(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """max_staleness 2 on two workers: batches queued while the workers sample earlier
+    ones are synced (broadcast) from the background thread; the same prompts and samples
+    as the synchronous run, none more than 2 versions behind the learner."""
+    out = tmp_path / "run"
+    train(config(2, "algorithm.max_staleness=2"), out=out, progress=False)
+    got = rows(out)
+    assert [r["rollout/staleness_0"] for r in got[1:3]] == [1.0, 0.0]
+    assert got[2]["rollout/staleness_1"] == 1.0  # queued at the first step, on its weights
+    assert all(r["rollout/policy_lag_max"] <= 2.0 for r in got[1:])
+    for x in map(json.loads, (out / "trajectories.jsonl").read_text().splitlines()):
+        versions = {turn["policy_version"] for turn in x["turns"]}  # step s: learner's s - 1
+        assert versions == {x["policy_version"]}
+        assert 0 <= x["step"] - 1 - x["policy_version"] <= 2
+    ids = [(step, task, sample) for step, task, sample, _ in episodes(out)]
+    assert ids == [(step, task, sample) for step, task, sample, _ in episodes(runs["two"])]
+
+
 def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray: None) -> None:
     family = Tripwire(tmp_path)
     family.lock = threading.Lock()  # type: ignore[attr-defined]  # no pickle for a lock

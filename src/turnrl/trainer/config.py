@@ -440,12 +440,13 @@ class AlgorithmConfig:
     """Entropy bonus: this times the (reduced) policy entropy is subtracted from the loss."""
     max_staleness: int = 0
     """Asynchronous training: a batch may be sampled by a policy up to this many versions
-    older than the learner's. 0 is the synchronous loop, exactly; 1 or more overlaps the
-    next step's rollout with this step's update (the sampler then holds its own copy of the
-    weights, synced between batches, so no turn mixes versions; the in-process pipeline is
-    one step deep, so the staleness is at most 1 whatever the bound). Behaviour log-probs
-    feed ``off_policy`` (``auto`` turns ``token_tis`` on); ``rollout/staleness_<d>`` is the
-    histogram."""
+    older than the learner's. 0 is the synchronous loop, exactly; k >= 1 collects the next
+    k steps' batches in the background while this step updates (the sampler then holds its
+    own copy of the weights, synced between batches, so no turn mixes versions; each batch
+    takes the newest weights there are when it starts: trainer/pipeline.py). k = 1 is
+    reproducible; with k >= 2 which version samples a batch depends on timing, and the
+    learner's weights are copied once more. Behaviour log-probs feed ``off_policy``
+    (``auto`` turns ``token_tis`` on); ``rollout/staleness_<d>`` is the histogram."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
     clip: ClipConfig = field(default_factory=ClipConfig)

@@ -1,28 +1,49 @@
-"""How the loop runs its steps: one after the other, or with the next rollout overlapped.
+"""How the loop runs its steps: one after the other, or with the next rollouts overlapped.
 
 ``Synchronous`` is the reference: each step collects with the learner's current weights,
 updates, then syncs the engine (``train_step``). ``Ahead`` is asynchronous training with
-``algorithm.max_staleness`` >= 1, one step deep: while step s updates, a background thread
-already collects step s + 1 with the weights the learner had before that update (version
-s), so the batch trained at step s + 1 is exactly one version stale. The engine holds its
-own weights (a copy, for the torch backend) and is synced only between batches, when no
-episode is in flight: every turn, and every episode, is sampled by one version, recorded
-on the turn (partial rollouts never happen: an episode in flight at an update finishes on
-the weights it started with, and its batch waits for the next step). The update weights the
-older samples with the behaviour log-probs (``off_policy``, ``token_tis`` by default).
+``algorithm.max_staleness`` = k >= 1: a background thread collects the batches of steps
+s + 1 .. s + k while step s updates, one batch after the other on the one engine. The
+engine holds its own weights (a copy, for the torch backend) and is synced only between
+batches, when no episode is in flight: every turn, and every episode, is sampled by one
+version, recorded on the turn (partial rollouts never happen: an episode in flight at an
+update finishes on the weights it started with). The update weights the older samples with
+the behaviour log-probs (``off_policy``, ``token_tis`` by default).
+
+Which weights sample a batch: the newest the learner has when the batch starts.
+- When the engine is idle as a batch is queued (always with k = 1: the batch of step s + 1
+  is queued once step s's batch is in), the loop syncs it from the learner there and then,
+  before the update: batch s + 1 is sampled by the weights of before update s, exactly one
+  version stale, the same in every run of a seed.
+- With k >= 2 the engine is usually still sampling earlier batches when one is queued.
+  After each update the loop copies the learner's weights (``Published``: one more copy of
+  the policy in memory), and the background thread syncs the engine from that copy before
+  each batch if it is newer than the engine's. A batch is queued only once the learner's
+  version is at least its step minus k, so no trajectory is more than k versions behind
+  when it is trained on. Which version samples a batch then depends on how long rollouts
+  and updates take: a run with k >= 2 is not reproducible bit for bit, and every turn
+  records its version, so its metrics say what happened (``rollout/staleness_<d>``).
+
+A deeper pipeline helps where rollout and update times vary from step to step (a slow
+batch is absorbed by the batches collected ahead); where each is steady, k = 1 already
+hides the shorter of the two.
 
 Prompts and seeds belong to the step index (``collect``), not to when a batch was made, so
 a run stopped between checkpoints and resumed collects exactly the prompts it would have:
-the batch collected ahead and lost is collected again, none skipped, none repeated (what
-differs is the weights that sample it, one version newer). Every wait has a deadline.
+the batches collected ahead and lost are collected again, none skipped, none repeated
+(what differs is the weights that sample them). Every wait has a deadline.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
+import copy
+import threading
 import time
-from typing import TextIO
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
 
 from turnrl.errors import TurnrlError
 from turnrl.trainer.step import (
@@ -42,7 +63,7 @@ ten minutes."""
 
 
 class RolloutAheadError(TurnrlError):
-    """The rollout running ahead of the learner did not finish in time."""
+    """A rollout running ahead of the learner did not finish in time."""
 
 
 class Synchronous:
@@ -62,14 +83,32 @@ class Synchronous:
         """Nothing runs in the background."""
 
 
-class Ahead:
-    """The next step's rollout in a background thread while this step updates."""
+@dataclass
+class Published:
+    """The learner's weights as of an update, for the background thread to sync the engine
+    from while the learner moves on (k >= 2)."""
 
-    def __init__(self) -> None:
+    model: Any
+    """A copy of the learner's model, loaded in place after each update."""
+    version: int
+    """Its policy version."""
+
+
+class Ahead:
+    """The rollouts of the next ``depth`` steps in a background thread, in step order,
+    while this step updates."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"a pipeline is at least one step deep, not {depth}")
+        self.depth = depth
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "turnrl-rollout-ahead")
-        self._ahead: tuple[int, concurrent.futures.Future[Collected]] | None = None
-        self._kept: tuple[int, Collected] | None = None
+        self._queue: dict[int, concurrent.futures.Future[Collected]] = {}
+        """The batches queued or collected ahead, by step, oldest first."""
         self._version: int | None = None
+        self._published: Published | None = None
+        self._lock = threading.Lock()
+        """Held while the published copy is written or the engine is synced from it."""
 
     def step(self, t: Trainer, step: int, trajectories_out: TextIO) -> Row:
         started = time.perf_counter()
@@ -77,12 +116,15 @@ class Ahead:
         collected = self._batch(t, step)
         waited = time.perf_counter() - started
         synced: Row = {}
-        if step + 1 < t.config.steps:  # the next batch, sampled by the weights of now
-            synced = self._bring_engine(t)
-            self._ahead = (step + 1, self._pool.submit(rollout_phase, t, step + 1))
+        for ahead in range(step + 1, min(step + 1 + self.depth, t.config.steps)):
+            if ahead not in self._queue:  # sampled by the weights of now, or newer ones
+                synced.update(self._queue_batch(t, ahead))
         row = update_phase(t, step, collected, version, trajectories_out)
-        row.update(synced)
+        for key, seconds in synced.items():  # the batch's own sync may have timed it too
+            row[key] = row.get(key, 0.0) + seconds
         self._version = version + 1
+        if self.depth > 1 and step + 1 < t.config.steps:
+            self._publish(t)
         step_s = time.perf_counter() - started
         row["perf/rollout_s"], row["perf/rollout_wait_s"] = collected.rollout_s, waited
         row["perf/step_s"], row["perf/train_s"] = step_s, step_s - waited
@@ -95,34 +137,59 @@ class Ahead:
         return self._version
 
     def before_eval(self, t: Trainer) -> None:
-        """Let the batch collected ahead finish (it is kept for its step), then give the
-        engine the learner's weights: evaluations measure the learner's policy."""
-        if self._ahead is not None:
-            index, _ = self._ahead
-            self._kept = (index, self._wait(t))
+        """Let the batches collected ahead finish (each is kept for its step), then give
+        the engine the learner's weights: evaluations measure the learner's policy."""
+        for ahead in list(self._queue):
+            self._wait(t, ahead, keep=True)
         self._bring_engine(t)
 
     def close(self) -> None:
-        """Wait for a rollout still running ahead (its batch is dropped), stop the thread."""
-        if self._ahead is not None:
-            _, future = self._ahead
-            self._ahead = None
-            with contextlib.suppress(Exception):  # the run is over: its batch is not needed
-                future.result(timeout=AHEAD_DEADLINE_S)
+        """Wait for the rollouts still running ahead (their batches are dropped), stop the
+        thread."""
+        queued, self._queue = list(self._queue.values()), {}
+        concurrent.futures.wait(queued, timeout=AHEAD_DEADLINE_S)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _batch(self, t: Trainer, step: int) -> Collected:
-        if self._kept is not None and self._kept[0] == step:
-            collected, self._kept = self._kept[1], None
-            return collected
-        if self._ahead is not None and self._ahead[0] == step:
-            return self._wait(t)
+        if step in self._queue:
+            return self._wait(t, step, keep=False)
         return rollout_phase(t, step)  # the first step (or the first after a resume)
 
-    def _wait(self, t: Trainer) -> Collected:
-        assert self._ahead is not None
-        index, future = self._ahead
-        self._ahead = None
+    def _queue_batch(self, t: Trainer, step: int) -> Row:
+        """Queue the rollout of ``step``. An idle engine takes the learner's weights now
+        (the sync's metrics); a busy one takes the newest published ones before it starts
+        this batch (their metrics go in this batch's row)."""
+        synced: Row = {}
+        if all(f.done() for f in self._queue.values()):  # nothing runs: sync it here
+            synced = self._bring_engine(t)
+        self._queue[step] = self._pool.submit(self._collect, t, step)
+        return synced
+
+    def _collect(self, t: Trainer, step: int) -> Collected:
+        """In the background thread: sync the engine from the published weights if they
+        are newer than its own, then collect ``step``'s batch."""
+        synced: Row = {}
+        with self._lock:
+            p = self._published
+            if p is not None and p.version > t.backend.policy_version:
+                synced = sync_engines(t, p.version, p.model)
+        collected = rollout_phase(t, step)
+        collected.row.update(synced)
+        return collected
+
+    def _publish(self, t: Trainer) -> None:
+        """After an update: the learner's weights, copied for the background thread."""
+        with self._lock, torch.no_grad():
+            version = self.learner_version(t)
+            if self._published is None:
+                self._published = Published(copy.deepcopy(t.learner.model), version)
+            else:
+                self._published.model.load_state_dict(t.learner.model.state_dict())
+                self._published.version = version
+
+    def _wait(self, t: Trainer, step: int, *, keep: bool) -> Collected:
+        """The batch of ``step``, collected ahead (kept queued with ``keep``)."""
+        future = self._queue[step] if keep else self._queue.pop(step)
         r = t.config.rollout
         rounds = t.config.algorithm.filter.max_rounds
         deadline = r.episode_timeout_s * rounds + 600 if r.episode_timeout_s else AHEAD_DEADLINE_S
@@ -130,7 +197,7 @@ class Ahead:
             return future.result(timeout=deadline)
         except concurrent.futures.TimeoutError as exc:
             raise RolloutAheadError(
-                f"the rollout of step {index + 1}, running ahead of the learner, did not "
+                f"the rollout of step {step + 1}, running ahead of the learner, did not "
                 f"finish within {deadline:.0f} s"
             ) from exc
 
@@ -145,4 +212,5 @@ class Ahead:
 
 def stepper(t: Trainer) -> Synchronous | Ahead:
     """The step mode ``algorithm.max_staleness`` asks for."""
-    return Ahead() if t.config.algorithm.max_staleness > 0 else Synchronous()
+    k = t.config.algorithm.max_staleness
+    return Ahead(k) if k > 0 else Synchronous()

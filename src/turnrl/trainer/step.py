@@ -111,17 +111,19 @@ def run_groups(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
     return t.backend.run(collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, spec))
 
 
-def sync_engines(t: Trainer, version: int | None = None) -> Row:
-    """After an update: the engine takes the learner's weights (its policy version moves
-    on, or becomes ``version``), and so do the rollout workers; the workers' sync metrics,
-    and a sleeping engine's sleep and wake times (``VLLMBackend.sleep_metrics``)."""
-    t.backend.sync(t.learner.model)
+def sync_engines(t: Trainer, version: int | None = None, model: Any = None) -> Row:
+    """After an update: the engine takes the learner's weights (or ``model``'s, a copy of
+    them: trainer/pipeline.py) and its policy version moves on, or becomes ``version``; so
+    do the rollout workers. The workers' sync metrics, and a sleeping engine's sleep and
+    wake times (``VLLMBackend.sleep_metrics``)."""
+    source = t.learner.model if model is None else model
+    t.backend.sync(source)
     if version is not None:
         t.backend.policy_version = version
     sleep_metrics = getattr(t.backend, "sleep_metrics", None)
     row: Row = dict(sleep_metrics()) if sleep_metrics is not None else {}
     if t.workers is not None:
-        row.update(t.workers.sync(t.learner.model, t.backend.policy_version))
+        row.update(t.workers.sync(source, t.backend.policy_version))
     return row
 
 

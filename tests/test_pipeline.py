@@ -1,0 +1,152 @@
+"""The asynchronous pipeline's scheduling (trainer/pipeline.py ``Ahead``), with the step's
+phases replaced by scripted ones that take chosen times: which weights sample each batch,
+how far ahead the background thread runs, and that the engine is never synced while it
+samples. The real loop with ``algorithm.max_staleness`` is tested in tests/test_async.py."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from turnrl.trainer import pipeline
+from turnrl.trainer.step import Collected
+
+
+@dataclass
+class Script:
+    """Stand-ins for the step's phases, recording what the pipeline asked of them. The
+    learner's model is one weight that each update sets to the new version, so a sync's
+    source says which version it holds."""
+
+    rollout_s: float
+    update_s: float
+    sampled_by: dict[int, int] = field(default_factory=dict)
+    """Each batch's step: the engine's version when its rollout started."""
+    trained_at: dict[int, int] = field(default_factory=dict)
+    """Each batch's step: the learner's version when it was trained on."""
+    syncs: list[tuple[int, float, str]] = field(default_factory=list)
+    """Each sync: the version given, the weight its source held, the thread that synced."""
+    faults: list[str] = field(default_factory=list)
+    """What must never happen (a sync while a rollout runs, two rollouts at once)."""
+    rolling: int = 0
+
+    def trainer(self, steps: int) -> Any:
+        config = SimpleNamespace(
+            steps=steps,
+            rollout=SimpleNamespace(episode_timeout_s=0.0),
+            algorithm=SimpleNamespace(filter=SimpleNamespace(max_rounds=1)),
+        )
+        model = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(0.0)
+        return SimpleNamespace(
+            config=config, backend=SimpleNamespace(policy_version=0),
+            learner=SimpleNamespace(model=model), workers=None,
+        )  # fmt: skip
+
+    def rollout_phase(self, t: Any, step: int) -> Collected:
+        self.rolling += 1
+        if self.rolling > 1:
+            self.faults.append(f"two rollouts at once, at step {step}")
+        self.sampled_by[step] = t.backend.policy_version
+        time.sleep(self.rollout_s)
+        self.rolling -= 1
+        return Collected([], [], {}, self.rollout_s)
+
+    def update_phase(self, t: Any, step: int, c: Collected, version: int, out: Any) -> Any:
+        self.trained_at[step] = version
+        time.sleep(self.update_s)
+        with torch.no_grad():
+            t.learner.model.weight.fill_(float(version + 1))
+        return {"step": step + 1, "_tokens": 0}
+
+    def sync_engines(self, t: Any, version: int | None = None, model: Any = None) -> Any:
+        if self.rolling:
+            self.faults.append(f"a sync to version {version} while a rollout ran")
+        source = t.learner.model if model is None else model
+        assert version is not None
+        self.syncs.append((version, source.weight.detach().item(), threading.current_thread().name))
+        t.backend.policy_version = version
+        return {"perf/rollout_sync_s": 0.001}
+
+    def staleness(self) -> dict[int, int]:
+        return {s: self.trained_at[s] - self.sampled_by[s] for s in self.trained_at}
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def make(rollout_s: float, update_s: float) -> Script:
+        script = Script(rollout_s, update_s)
+        for name in ("rollout_phase", "update_phase", "sync_engines"):
+            monkeypatch.setattr(pipeline, name, getattr(script, name))
+        return script
+
+    return make
+
+
+def run(script: Script, depth: int, steps: int, eval_after: tuple[int, ...] = ()) -> list[Any]:
+    t = script.trainer(steps)
+    ahead = pipeline.Ahead(depth)
+    rows = []
+    try:
+        for step in range(steps):
+            rows.append(ahead.step(t, step, io.StringIO()))
+            if step + 1 in eval_after:
+                ahead.before_eval(t)
+                assert t.backend.policy_version == step + 1  # the learner's weights
+    finally:
+        ahead.close()
+    return rows
+
+
+def test_a_slow_learner_lets_the_rollouts_run_k_steps_ahead(scripted: Any) -> None:
+    script = scripted(rollout_s=0.0, update_s=0.3)
+    run(script, depth=2, steps=6)
+    staleness = script.staleness()
+    assert staleness == {0: 0, 1: 1, 2: 2, 3: 2, 4: 2, 5: 2}  # the bound, reached
+    assert not script.faults
+
+
+def test_slow_rollouts_take_the_newest_weights_in_the_background(scripted: Any) -> None:
+    script = scripted(rollout_s=0.3, update_s=0.0)
+    run(script, depth=3, steps=6)
+    staleness = script.staleness()
+    assert staleness[0] == 0
+    assert all(staleness[s] <= 1 for s in range(1, 6)), staleness  # fresh, not k stale
+    background = [(v, w) for v, w, thread in script.syncs if thread != "MainThread"]
+    assert background, script.syncs  # the engine was busy when the batches were queued
+    for version, weight in background:  # the published copy holds the version it claims
+        assert weight == version
+    assert not script.faults
+
+
+def test_k1_syncs_between_batches_on_the_loop_s_thread(scripted: Any) -> None:
+    script = scripted(rollout_s=0.05, update_s=0.05)
+    run(script, depth=1, steps=5)
+    assert script.staleness() == {0: 0, 1: 1, 2: 1, 3: 1, 4: 1}
+    assert [thread for _, _, thread in script.syncs] == ["MainThread"] * 3
+    assert [(v, w) for v, w, _ in script.syncs] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert not script.faults
+
+
+def test_an_evaluation_waits_for_every_batch_ahead_and_syncs_the_learner_s_weights(
+    scripted: Any,
+) -> None:
+    script = scripted(rollout_s=0.05, update_s=0.0)
+    rows = run(script, depth=3, steps=6, eval_after=(2,))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert sorted(script.sampled_by) == list(range(6))  # every batch once, none lost
+    assert all(0 <= s <= 3 for s in script.staleness().values())
+    assert not script.faults
+
+
+def test_a_pipeline_is_at_least_one_step_deep() -> None:
+    with pytest.raises(ValueError, match="one step deep"):
+        pipeline.Ahead(0)
