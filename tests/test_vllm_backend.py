@@ -329,6 +329,30 @@ def test_a_run_samples_with_vllm_and_syncs_it_after_every_update(tmp_path: Path)
     assert versions == {0, 1}
 
 
+def test_an_asynchronous_run_samples_with_vllm_from_the_background_thread(
+    tmp_path: Path,
+) -> None:
+    """max_staleness 2 with the engine in this process: the batches collected ahead run on
+    the pipeline's thread, on the thread count the run set (vLLM's CPU attention refused
+    another: "thread_num (2 vs. 1)"), each turn by one version, none more than 2 behind."""
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    settings = [
+        *SMALL_VLLM_RUN, "steps=4", "eval.every=2", "threads=1", "algorithm.max_staleness=2",
+        "algorithm.entropy_coef=0.05",
+    ]  # fmt: skip
+    train(load_config(None, settings), tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[2]["rollout/policy_lag_max"] == 1.0  # queued at step 1, on its weights
+    assert all(r["rollout/policy_lag_max"] <= 2.0 for r in rows[1:])
+    for line in (tmp_path / "trajectories.jsonl").read_text().splitlines():
+        x = json.loads(line)
+        assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
+        assert 0 <= x["step"] - 1 - x["policy_version"] <= 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path) -> None:

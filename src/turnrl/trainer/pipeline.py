@@ -102,7 +102,13 @@ class Ahead:
         if depth < 1:
             raise ValueError(f"a pipeline is at least one step deep, not {depth}")
         self.depth = depth
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "turnrl-rollout-ahead")
+        # A new thread's OpenMP thread count is the process's default, not the count
+        # ``threads`` set on the loop's thread: the rollouts would run on another number of
+        # threads (and vLLM's CPU attention refuses to, "thread_num (2 vs. 1)").
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, "turnrl-rollout-ahead", initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )  # fmt: skip
         self._queue: dict[int, concurrent.futures.Future[Collected]] = {}
         """The batches queued or collected ahead, by step, oldest first."""
         self._version: int | None = None
