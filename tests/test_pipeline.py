@@ -150,3 +150,15 @@ def test_an_evaluation_waits_for_every_batch_ahead_and_syncs_the_learner_s_weigh
 def test_a_pipeline_is_at_least_one_step_deep() -> None:
     with pytest.raises(ValueError, match="one step deep"):
         pipeline.Ahead(0)
+
+
+def test_closing_drops_the_batches_not_started_and_lets_the_running_one_finish(
+    scripted: Any,
+) -> None:
+    script = scripted(rollout_s=0.3, update_s=0.0)
+    t = script.trainer(steps=8)
+    ahead = pipeline.Ahead(3)
+    ahead.step(t, 0, io.StringIO())  # batches 1, 2 and 3 queued; 1 is running
+    ahead.close()
+    assert sorted(script.sampled_by) == [0, 1]  # 2 and 3 never started
+    assert script.rolling == 0  # batch 1 was let finish

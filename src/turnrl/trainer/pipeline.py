@@ -150,9 +150,11 @@ class Ahead:
         self._bring_engine(t)
 
     def close(self) -> None:
-        """Wait for the rollouts still running ahead (their batches are dropped), stop the
-        thread."""
+        """Drop the batches queued ahead: those not started never run, the one running is
+        let finish (its episodes hold tool processes and engine slots); stop the thread."""
         queued, self._queue = list(self._queue.values()), {}
+        for future in queued:
+            future.cancel()  # False for the running one
         concurrent.futures.wait(queued, timeout=AHEAD_DEADLINE_S)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
