@@ -360,6 +360,21 @@ def test_a_sleeping_engine_wakes_each_part_once_across_syncs_and_rollouts() -> N
     assert backend.sleep_metrics() == {}
 
 
+def test_an_asynchronous_run_s_vllm_engine_never_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Colocated sleep mode frees the GPU for the learner between rollouts; in asynchronous
+    training the engine samples while the learner updates, so it is off there (the
+    default, sleep on a GPU, stays for synchronous runs)."""
+    from turnrl.backends import vllm_backend
+    from turnrl.trainer.loop import vllm_sampler
+
+    asked: list[Any] = []
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", lambda *a, **k: asked.append(k["sleep"]))
+    for k in (0, 1, 2):
+        config = load_config(None, ["rollout.backend=vllm", f"algorithm.max_staleness={k}"])
+        vllm_sampler(config, None, Path("unused"), dict)
+    assert asked == [None, False, False]
+
+
 def test_the_vllm_engine_runs_in_this_process_on_every_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

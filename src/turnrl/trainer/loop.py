@@ -475,7 +475,9 @@ def vllm_sampler(
 ) -> VLLMBackend:
     """A vLLM engine built from ``model_path`` for ``config``'s rollouts (the run's seed,
     context length and precision); ``weights_of`` turns what ``load_weights`` and ``sync``
-    are given into the weights to load."""
+    are given into the weights to load. In asynchronous training it never sleeps: it
+    samples while the learner updates, so releasing its memory between batches would give
+    the learner nothing it could count on and cost a copy of the weights each batch."""
     from turnrl.backends.vllm_backend import VLLMBackend
 
     r = config.rollout
@@ -483,6 +485,7 @@ def vllm_sampler(
         model_path, tokenizer, seed=config.seed,
         max_model_len=r.max_context_tokens + r.max_tokens_per_turn, weights_of=weights_of,
         dtype="bfloat16" if config.model.precision == "bf16-mixed" else "float32",
+        sleep=False if config.algorithm.max_staleness > 0 else None,
     )  # fmt: skip
 
 
