@@ -99,8 +99,13 @@ def run(script: Script, depth: int, steps: int, eval_after: tuple[int, ...] = ()
         for step in range(steps):
             rows.append(ahead.step(t, step, io.StringIO()))
             if step + 1 in eval_after:
-                ahead.before_eval(t)
+                syncs = len(script.syncs)
+                synced = ahead.before_eval(t)
                 assert t.backend.policy_version == step + 1  # the learner's weights
+                # its own sync's metrics, if it had to sync, for the step's row (those of
+                # the batches it waited for are in theirs)
+                own = [x for x in script.syncs[syncs:] if x[2] == "MainThread"]
+                assert synced == ({"perf/rollout_sync_s": 0.001} if own else {})
     finally:
         ahead.close()
     return rows
@@ -162,3 +167,19 @@ def test_closing_drops_the_batches_not_started_and_lets_the_running_one_finish(
     ahead.close()
     assert sorted(script.sampled_by) == [0, 1]  # 2 and 3 never started
     assert script.rolling == 0  # batch 1 was let finish
+
+
+def test_the_sync_before_an_evaluation_is_timed_in_the_step_s_row(scripted: Any) -> None:
+    """Updates slower than rollouts: at the evaluation the engine is behind the learner,
+    so the loop's thread syncs it, and the step's row gets that sync's time."""
+    script = scripted(rollout_s=0.0, update_s=0.2)
+    t = script.trainer(steps=4)
+    ahead = pipeline.Ahead(2)
+    try:
+        for step in range(2):
+            ahead.step(t, step, io.StringIO())
+        assert t.backend.policy_version < 2  # sampling batches 2 and 3 on older weights
+        assert ahead.before_eval(t) == {"perf/rollout_sync_s": 0.001}
+        assert script.syncs[-1] == (2, 2.0, "MainThread")
+    finally:
+        ahead.close()

@@ -592,27 +592,51 @@ def head_address(log: Path, head: subprocess.Popen[bytes], timeout_s: float = 12
     raise AssertionError(f"ray start --head printed no address in {timeout_s:.0f} s")
 
 
+def wait_for_line(log: Path, process: subprocess.Popen[bytes], text: str, timeout_s: float) -> None:
+    """Until ``process``'s ``log`` has ``text``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in log.read_text():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"{process.args} exited: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"{process.args} printed no {text!r} in {timeout_s:.0f} s")
+
+
 def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path) -> None:
-    """`ray start --head` in its own process, then `turnrl train --set
-    cluster.rollout_workers=2 --set cluster.address=...`: the run's workers are that
-    cluster's actors (the head's log lists the job), and the run completes."""
-    log = tmp_path / "head.log"
+    """`ray start --head` without CPUs, a second node joining it with `ray start
+    --address` (both on this machine: two raylets, two object stores), then `turnrl train
+    --set cluster.rollout_workers=2 --set cluster.address=...` with the learner on two
+    ranks placed by Ray: the run completes. The head has no CPU to give, so both workers
+    run on the second node: the weights they load cross from the driver's node through
+    Ray's object transfer, and they join the driver's broadcast group at its address."""
+    log, node_log = tmp_path / "head.log", tmp_path / "node.log"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_AUTH_MODE", None)  # a ray.init in this process (the fixture) sets it
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # its sockets' paths must be short
+    ray_command = str(Path(sys.executable).with_name("ray"))
+    node = None
     with log.open("w") as sink:
         head = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-             f"--port={free_port()}", "--num-cpus=2", "--include-dashboard=false",
-             f"--temp-dir={temp}"],
+            [ray_command, "start", "--head", "--block", f"--port={free_port()}",
+             "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={temp}"],
             stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
         address = head_address(log, head)
+        with node_log.open("w") as sink:
+            node = subprocess.Popen(
+                [ray_command, "start", "--block", f"--address={address}", "--num-cpus=2"],
+                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**env, "RAY_AUTH_MODE": "token"},
+            )  # fmt: skip
+        wait_for_line(node_log, node, "Ray runtime started", timeout_s=120)
         command = [
             str(Path(sys.executable).with_name("turnrl")), "train",
             *(f"--set={s}" for s in RUN), "--out", str(tmp_path / "run"), "--no-progress",
             "--set=cluster.rollout_workers=2", f"--set=cluster.address={address}",
+            "--set=cluster.learner_ranks=2", "--set=cluster.learner_placement=ray",
         ]  # fmt: skip
         # `ray start` checks a token; the client must be told to send it (Ray 2.60)
         refused = subprocess.run(
@@ -627,10 +651,11 @@ def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path)
         assert f"Connecting to existing Ray cluster at address: {address}" in done.stderr
         got = rows(tmp_path / "run")
         assert [r["step"] for r in got] == [0, 1, 2, 3]
-        assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
+        assert all(r["perf/rollout_sync_s"] > 0 and r["perf/weight_sync_s"] > 0 for r in got[1:])
         assert "Started a local Ray instance" not in done.stderr
     finally:
-        if head.poll() is None:
-            os.killpg(head.pid, signal.SIGKILL)  # SIGTERM drains for 30 s
-            head.wait(timeout=60)
+        for process in (node, head):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # SIGTERM drains for 30 s
+                process.wait(timeout=60)
         shutil.rmtree(temp, ignore_errors=True)

@@ -50,7 +50,7 @@ from turnrl.trainer.checkpoint import (
 from turnrl.trainer.config import Config, inert_settings, resolved
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
-from turnrl.trainer.pipeline import stepper
+from turnrl.trainer.pipeline import add_timings, stepper
 from turnrl.trainer.sinks import MetricSinks, trim_run_files
 from turnrl.trainer.step import RolloutWorkers, Trainer, run_groups
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
@@ -270,7 +270,7 @@ def _run(
                 out_of_time = config.max_minutes > 0 and elapsed > 60 * config.max_minutes
                 last = done == config.steps or out_of_time or stop
                 if done % config.eval.every == 0 or last:
-                    steps.before_eval(t)
+                    add_timings(row, steps.before_eval(t))
                     row.update(evaluate(t))
                 row["perf/elapsed_s"] = time.perf_counter() - started
                 for alarm in alarms:

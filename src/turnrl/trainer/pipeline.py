@@ -76,8 +76,9 @@ class Synchronous:
         """The policy version of the learner's weights (what a checkpoint records)."""
         return t.backend.policy_version
 
-    def before_eval(self, t: Trainer) -> None:
+    def before_eval(self, t: Trainer) -> Row:
         """Nothing: the engine already holds the learner's weights."""
+        return {}
 
     def close(self) -> None:
         """Nothing runs in the background."""
@@ -126,8 +127,7 @@ class Ahead:
             if ahead not in self._queue:  # sampled by the weights of now, or newer ones
                 synced.update(self._queue_batch(t, ahead))
         row = update_phase(t, step, collected, version, trajectories_out)
-        for key, seconds in synced.items():  # the batch's own sync may have timed it too
-            row[key] = row.get(key, 0.0) + seconds
+        add_timings(row, synced)  # the batch's own sync may have timed it too
         self._version = version + 1
         if self.depth > 1 and step + 1 < t.config.steps:
             self._publish(t)
@@ -142,12 +142,13 @@ class Ahead:
             self._version = t.backend.policy_version
         return self._version
 
-    def before_eval(self, t: Trainer) -> None:
+    def before_eval(self, t: Trainer) -> Row:
         """Let the batches collected ahead finish (each is kept for its step), then give
-        the engine the learner's weights: evaluations measure the learner's policy."""
+        the engine the learner's weights: evaluations measure the learner's policy. The
+        sync's metrics (the step's row adds them to its own)."""
         for ahead in list(self._queue):
             self._wait(t, ahead, keep=True)
-        self._bring_engine(t)
+        return self._bring_engine(t)
 
     def close(self) -> None:
         """Drop the batches queued ahead: those not started never run, the one running is
@@ -216,6 +217,12 @@ class Ahead:
         if t.backend.policy_version != version:
             return sync_engines(t, version)
         return {}
+
+
+def add_timings(row: Row, timings: Row) -> None:
+    """``timings`` (seconds) added to ``row``'s, where it has them already."""
+    for key, seconds in timings.items():
+        row[key] = row.get(key, 0.0) + seconds
 
 
 def stepper(t: Trainer) -> Synchronous | Ahead:
