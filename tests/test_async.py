@@ -1,8 +1,9 @@
 """Asynchronous training (``algorithm.max_staleness``, trainer/pipeline.py): k = 0 is the
 synchronous run exactly; k = 1 trains each batch one version stale, with the next rollout
 overlapped, the same prompts per step, the behaviour log-probs corrected for; k = 2 stays
-within its bound on the same prompts; a run that dies with batches collected ahead resumes
-with every prompt exactly once. The deeper pipeline's scheduling: tests/test_pipeline.py."""
+within its bound on the same prompts; a run that dies with batches collected ahead (a crash,
+or a learner rank killed) resumes with every prompt exactly once. The deeper pipeline's
+scheduling: tests/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -113,6 +114,50 @@ def test_k2_trains_within_the_bound_on_the_same_prompts(tmp_path: Path) -> None:
 
     assert prompts(tmp_path / "k2") == prompts(tmp_path / "sync")
     assert len([r for r in steps if "eval/success_mean" in r]) == 2  # steps 3 and 6
+
+
+def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_exactly_once(
+    tmp_path: Path,
+) -> None:
+    """k = 2 with the learner on two ranks: rank 1 is killed once checkpoint 2 is written
+    (batches ahead are queued or sampling). The run stops naming the rank, no rollout is
+    left running, and the resumed run sees every prompt of the straight run exactly once."""
+    import gc
+    import os
+    import signal
+    import threading
+    import time
+
+    import turnrl
+    from turnrl.distributed import LearnerGroup, LearnerRankError
+
+    settings = [*MOVING, "steps=5", "save_every=2", "algorithm.max_staleness=2",
+                "cluster.learner_ranks=2"]  # fmt: skip
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    turnrl.train(None, out=straight, overrides=settings, progress=False)
+
+    def kill_after_checkpoint_2() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (killed / "checkpoints" / "latest").exists():
+            time.sleep(0.01)
+        for group in [o for o in gc.get_objects() if type(o) is LearnerGroup]:
+            if not group._closed:
+                os.kill(group.pids[1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_checkpoint_2, daemon=True)
+    killer.start()
+    with pytest.raises(LearnerRankError, match="learner rank 1 died"):
+        turnrl.train(None, out=killed, overrides=settings, progress=False)
+    killer.join()
+    assert not [x for x in threading.enumerate() if x.name.startswith("turnrl-rollout-ahead")]
+    turnrl.train(None, out=killed, overrides=settings, resume=True, progress=False)
+
+    def seen(run: Path) -> Counter[tuple[int, str, int]]:
+        return Counter((x["step"], x["task_id"], x["sample_index"]) for x in trajectories(run))
+
+    assert set(seen(killed).values()) == {1}  # nothing repeated
+    assert seen(killed) == seen(straight)  # nothing skipped
+    assert [r["step"] for r in rows(killed)] == [0, 1, 2, 3, 4, 5]
 
 
 def test_the_bound_is_checked() -> None:

@@ -16,8 +16,8 @@ stops all its ranks (none is left behind) and refuses further calls: a step half
 some ranks cannot be continued, only restarted from a checkpoint (``state_dict``).
 
 A LoRA model (``model`` returning one) trains only its adapters; the frozen base is
-sharded with them. What is not here yet: a weight broadcast to the rollout workers (the
-driver gets the full weights, ``full_state_dict``).
+sharded with them. The ranks do not sync the rollout workers themselves: the driver gets
+the full weights (``full_state_dict``) and syncs them (rollout_workers.py).
 """
 
 from __future__ import annotations
