@@ -48,6 +48,18 @@ def test_a_killed_runs_files_and_a_missing_tokenizer_still_give_a_report(
     assert all(re.fullmatch(r"\[\d+\]", p) for p in first_turn["prompt"])  # ids, not text
 
 
+def test_the_report_shows_where_a_step_s_time_goes_and_how_stale_its_batch_was(
+    run_dir: Path,
+) -> None:
+    """The step's wall time beside its rollout's (and, asynchronous, the wait for the batch
+    collected ahead), and the batch's lag behind the learner: what max_staleness changes."""
+    html = write_report(run_dir).read_text()
+    for title in ("step time (s)", "policy versions behind the learner"):
+        assert f">{title}<" in html
+    for key in ("perf/step_s", "perf/rollout_s", "rollout/policy_lag_max"):
+        assert key in html
+
+
 def test_tokens_are_decoded_with_the_runs_tokenizer(run_dir: Path) -> None:
     episodes = embedded(write_report(run_dir))
     text = "".join(episodes[0]["turns"][0]["prompt"])  # type: ignore[index]
