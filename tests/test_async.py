@@ -116,6 +116,28 @@ def test_k2_trains_within_the_bound_on_the_same_prompts(tmp_path: Path) -> None:
     assert len([r for r in steps if "eval/success_mean" in r]) == 2  # steps 3 and 6
 
 
+@pytest.mark.parametrize(
+    "more",
+    [["model.lora.rank=4"], ["algorithm.advantage=gae"],
+     ["algorithm.filter.dynamic_sampling=true"], ["rollout.sampler_weights=bf16"]],
+    ids=["lora", "ppo", "dapo", "bf16-sampler"],
+)  # fmt: skip
+def test_k2_with_adapters_a_critic_dynamic_sampling_or_a_bf16_sampler(
+    tmp_path: Path, more: list[str]
+) -> None:
+    """The published copy the background thread syncs from is a copy of whatever the
+    learner's model is (a LoRA model merged into the sampler, a bf16 copy's source), and a
+    critic's or a DAPO run's batches go through the same queue."""
+    train(load_config(None, [*MOVING, "algorithm.max_staleness=2", *more]), tmp_path,
+          progress=False)  # fmt: skip
+    got = [r for r in rows(tmp_path) if r["step"] >= 1]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert all(r["rollout/policy_lag_max"] <= 2.0 for r in got)
+    for x in trajectories(tmp_path):
+        assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
+        assert 0 <= x["step"] - 1 - x["policy_version"] <= 2
+
+
 def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_exactly_once(
     tmp_path: Path,
 ) -> None:
