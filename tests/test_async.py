@@ -32,6 +32,16 @@ def trajectories(run: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run / "trajectories.jsonl").read_text().splitlines()]
 
 
+def prompts(run: Path) -> list[tuple[int, str]]:
+    """(step, task) of every trajectory, sorted."""
+    return sorted((x["step"], x["task_id"]) for x in trajectories(run))
+
+
+def samples_seen(run: Path) -> Counter[tuple[int, str, int]]:
+    """How many times each (step, task, sample) was trained on."""
+    return Counter((x["step"], x["task_id"], x["sample_index"]) for x in trajectories(run))
+
+
 def without_timing(run: Path) -> list[dict[str, Any]]:
     timing = ("perf/", "warmup/s")
     return [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rows(run)]
@@ -63,9 +73,6 @@ def test_k1_trains_one_version_stale_on_the_same_prompts(tmp_path: Path) -> None
         assert x["policy_version"] == max(x["step"] - 2, 0)
         assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
 
-    def prompts(run: Path) -> list[tuple[int, str]]:
-        return sorted((x["step"], x["task_id"]) for x in trajectories(run))
-
     assert prompts(tmp_path / "k1") == prompts(tmp_path / "sync")
     evals = [r["eval/success_mean"] for r in steps if "eval/success_mean" in r]
     assert len(evals) == 2  # steps 2 and 4, each after the batch ahead was let finish
@@ -87,10 +94,9 @@ def test_an_async_run_resumed_after_a_crash_sees_every_prompt_exactly_once(
         train(load_config(None, settings), crashed, progress=False, on_row=crash_after_step_3)
     train(load_config(None, settings), crashed, resume=True, progress=False)
 
-    seen = Counter((x["step"], x["task_id"], x["sample_index"]) for x in trajectories(crashed))
+    seen = samples_seen(crashed)
     assert set(seen.values()) == {1}  # nothing repeated
-    want = Counter((x["step"], x["task_id"], x["sample_index"]) for x in trajectories(straight))
-    assert seen == want  # nothing skipped
+    assert seen == samples_seen(straight)  # nothing skipped
     assert [r["step"] for r in rows(crashed)] == [0, 1, 2, 3, 4]
 
 
@@ -108,9 +114,6 @@ def test_k2_trains_within_the_bound_on_the_same_prompts(tmp_path: Path) -> None:
     for x in trajectories(tmp_path / "k2"):  # step s's learner holds version s - 1
         assert x["step"] - 1 - 2 <= x["policy_version"] <= x["step"] - 1
         assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
-
-    def prompts(run: Path) -> list[tuple[int, str]]:
-        return sorted((x["step"], x["task_id"]) for x in trajectories(run))
 
     assert prompts(tmp_path / "k2") == prompts(tmp_path / "sync")
     assert len([r for r in steps if "eval/success_mean" in r]) == 2  # steps 3 and 6
@@ -144,14 +147,14 @@ def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_ex
     """k = 2 with the learner on two ranks: rank 1 is killed once checkpoint 2 is written
     (batches ahead are queued or sampling). The run stops naming the rank, no rollout is
     left running, and the resumed run sees every prompt of the straight run exactly once."""
-    import gc
     import os
     import signal
     import threading
     import time
 
     import turnrl
-    from turnrl.distributed import LearnerGroup, LearnerRankError
+    from test_distributed_train import groups_alive
+    from turnrl.distributed import LearnerRankError
 
     settings = [*MOVING, "steps=5", "save_every=2", "algorithm.max_staleness=2",
                 "cluster.learner_ranks=2"]  # fmt: skip
@@ -162,9 +165,8 @@ def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_ex
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (killed / "checkpoints" / "latest").exists():
             time.sleep(0.01)
-        for group in [o for o in gc.get_objects() if type(o) is LearnerGroup]:
-            if not group._closed:
-                os.kill(group.pids[1], signal.SIGKILL)
+        for group in groups_alive():
+            os.kill(group.pids[1], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_after_checkpoint_2, daemon=True)
     killer.start()
@@ -173,12 +175,8 @@ def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_ex
     killer.join()
     assert not [x for x in threading.enumerate() if x.name.startswith("turnrl-rollout-ahead")]
     turnrl.train(None, out=killed, overrides=settings, resume=True, progress=False)
-
-    def seen(run: Path) -> Counter[tuple[int, str, int]]:
-        return Counter((x["step"], x["task_id"], x["sample_index"]) for x in trajectories(run))
-
-    assert set(seen(killed).values()) == {1}  # nothing repeated
-    assert seen(killed) == seen(straight)  # nothing skipped
+    assert set(samples_seen(killed).values()) == {1}  # nothing repeated
+    assert samples_seen(killed) == samples_seen(straight)  # nothing skipped
     assert [r["step"] for r in rows(killed)] == [0, 1, 2, 3, 4, 5]
 
 

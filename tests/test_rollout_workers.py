@@ -579,29 +579,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def head_address(log: Path, head: subprocess.Popen[bytes], timeout_s: float = 120) -> str:
-    """The address `ray start --head` prints for other nodes once it runs."""
+def wait_for(
+    log: Path, process: subprocess.Popen[bytes], pattern: str, timeout_s: float = 120
+) -> re.Match[str]:
+    """The first match of ``pattern`` in ``process``'s ``log``, once it is there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = re.search(r"ray start --address='([^']+)'", log.read_text())
+        found = re.search(pattern, log.read_text())
         if found:
-            return found.group(1)
-        if head.poll() is not None:
-            raise AssertionError(f"ray start --head exited: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
-    raise AssertionError(f"ray start --head printed no address in {timeout_s:.0f} s")
-
-
-def wait_for_line(log: Path, process: subprocess.Popen[bytes], text: str, timeout_s: float) -> None:
-    """Until ``process``'s ``log`` has ``text``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if text in log.read_text():
-            return
+            return found
         if process.poll() is not None:
             raise AssertionError(f"{process.args} exited: {log.read_text()[-2000:]}")
         time.sleep(0.5)
-    raise AssertionError(f"{process.args} printed no {text!r} in {timeout_s:.0f} s")
+    raise AssertionError(f"{process.args} printed no {pattern!r} in {timeout_s:.0f} s")
 
 
 def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path) -> None:
@@ -624,14 +614,14 @@ def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path)
             stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
-        address = head_address(log, head)
+        address = wait_for(log, head, r"ray start --address='([^']+)'")[1]  # for other nodes
         with node_log.open("w") as sink:
             node = subprocess.Popen(
                 [ray_command, "start", "--block", f"--address={address}", "--num-cpus=2"],
                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**env, "RAY_AUTH_MODE": "token"},
             )  # fmt: skip
-        wait_for_line(node_log, node, "Ray runtime started", timeout_s=120)
+        wait_for(node_log, node, "Ray runtime started")
         command = [
             str(Path(sys.executable).with_name("turnrl")), "train",
             *(f"--set={s}" for s in RUN), "--out", str(tmp_path / "run"), "--no-progress",
