@@ -149,6 +149,36 @@ def warmed_up(warm: Any, tokenizer: Any, steps: int) -> Any:
     return warm
 
 
+def gap_by_version(
+    models: dict[int, Any], trajectories: Sequence[Any], temperature: float = 1.0
+) -> tuple[float, int]:
+    """The largest |sampler log-prob - log-prob under ``models[v]``| over every sampled
+    token, ``v`` being the policy version its turn records, and the tokens compared: 0 when
+    each turn was sampled by exactly the weights of its version (a turn that switched
+    weights midway matches neither)."""
+    from turnrl.trainer.forward import token_logprobs
+
+    worst, count = 0.0, 0
+    for trajectory in trajectories:
+        versions: list[list[int]] = []
+        for turn in trajectory.turns:  # one list per sample, as ``Trajectory.samples`` cuts
+            if turn.new_sample or not versions:
+                versions.append([])
+            versions[-1] += [-1] * len(turn.prompt_ids)
+            versions[-1] += [turn.policy_version] * len(turn.completion_ids)
+        for sample, version in zip(trajectory.samples(), versions, strict=True):
+            ids = torch.tensor([sample.input_ids])
+            for v in set(version) - {-1}:
+                mask = torch.tensor([[x == v for x in version]])
+                with torch.no_grad():
+                    ours, _ = token_logprobs(
+                        models[v], ids, torch.ones_like(ids), mask, temperature
+                    )
+                gap = (ours - torch.tensor([sample.logprobs]))[mask].abs()
+                worst, count = max(worst, float(gap.max())), count + int(mask.sum())
+    return worst, count
+
+
 SMALL_RUN = [  # a run of a few seconds: a tiny model, two steps, two tiny groups
     "steps=2",
     "save_every=1",

@@ -78,11 +78,16 @@ def test_k1_trains_one_version_stale_on_the_same_prompts(tmp_path: Path) -> None
     assert len(evals) == 2  # steps 2 and 4, each after the batch ahead was let finish
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize(
+    "more",
+    [["algorithm.max_staleness=1"], ["algorithm.max_staleness=2"],
+     ["algorithm.max_staleness=1", "algorithm.partial_rollouts=true"]],
+    ids=["k1", "k2", "k1-partial"],
+)  # fmt: skip
 def test_an_async_run_resumed_after_a_crash_sees_every_prompt_exactly_once(
-    tmp_path: Path, k: int
+    tmp_path: Path, more: list[str]
 ) -> None:
-    settings = [*MOVING, f"algorithm.max_staleness={k}", "save_every=2"]
+    settings = [*MOVING, *more, "save_every=2"]
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     train(load_config(None, settings), straight, progress=False)
 
@@ -178,6 +183,52 @@ def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_ex
     assert set(samples_seen(killed).values()) == {1}  # nothing repeated
     assert samples_seen(killed) == samples_seen(straight)  # nothing skipped
     assert [r["step"] for r in rows(killed)] == [0, 1, 2, 3, 4, 5]
+
+
+PARTIAL = [
+    "model.echo_steps=0", "steps=4", "eval.every=4", "eval.num_tasks=8",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "threads=1",
+    "env.options.latency_s=0.2", "algorithm.max_staleness=1",
+]  # fmt: skip
+"""Episodes of two turns (the quick-start's model after its 60-step warm-up calls the tool)
+with a 200 ms lookup between them: a batch collected ahead is still mid-way, its episodes
+waiting on the tool, when the update beside it ends."""
+
+
+def test_partial_rollouts_take_the_new_weights_between_an_episode_s_turns(
+    tmp_path: Path,
+) -> None:
+    train(load_config(None, PARTIAL), tmp_path / "whole", progress=False)
+    partial = [*PARTIAL, "algorithm.partial_rollouts=true"]
+    train(load_config(None, partial), tmp_path / "partial", progress=False)
+    for x in trajectories(tmp_path / "whole"):  # off: each episode on one version
+        assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
+    steps = [r for r in rows(tmp_path / "partial") if r["step"] >= 2]
+    for r in steps:  # each batch took the weights of the update that ended beside it
+        assert r["rollout/mid_batch_syncs"] == 1.0
+        assert r["rollout/episodes_across_versions"] > 0.5
+        assert r["rollout/staleness_1"] == 1.0  # counted by an episode's oldest turn
+        assert r["rollout/policy_lag_tokens_mean"] < 0.95  # its later turns are fresh
+    mixed = 0
+    for x in trajectories(tmp_path / "partial"):  # step s's learner holds version s - 1
+        versions = [t["policy_version"] for t in x["turns"]]
+        assert versions == sorted(versions)
+        assert max(x["step"] - 2, 0) <= versions[0]
+        assert versions[-1] <= x["step"] - 1
+        mixed += len(set(versions)) > 1
+    assert mixed > 0
+    assert prompts(tmp_path / "partial") == prompts(tmp_path / "whole")
+
+
+def test_partial_rollouts_need_an_asynchronous_run_and_the_engine_in_process() -> None:
+    with pytest.raises(ConfigError, match="rollout workers"):
+        load_config(None, ["algorithm.max_staleness=1", "algorithm.partial_rollouts=true",
+                           "cluster.rollout_workers=2"])  # fmt: skip
+    from turnrl.trainer.config import inert_settings
+
+    synchronous = load_config(None, ["algorithm.partial_rollouts=true"])
+    assert any("partial_rollouts" in m and "max_staleness >= 1" in m
+               for m in inert_settings(synchronous))  # fmt: skip
 
 
 def test_the_bound_is_checked() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
 from conftest import warmed_up  # noqa: E402
+from test_turn_sync import NewWeightsAfter, changed, check_mid_batch  # noqa: E402
 from turnrl.backends.torch_backend import TorchBackend  # noqa: E402
 from turnrl.backends.vllm_backend import VLLMBackend  # noqa: E402
 from turnrl.envs import SecretLookup  # noqa: E402
@@ -206,6 +208,28 @@ def test_a_request_joins_the_running_engine_when_it_is_ready(
     assert engine.submit([follow]) is None  # outside run: callers use generate
 
 
+def test_new_weights_mid_batch_wait_for_the_turns_being_sampled(
+    engine: VLLMBackend, vllm_model_dir: Path, caller: Any
+) -> None:
+    """Partial rollouts (backends/turn_sync.py): once new weights are wanted, requests are
+    held back until the ones in the engine finish, then the weights are loaded on the
+    engine's thread and the held requests go in. No turn mixes versions."""
+    tokenizer = load_tokenizer(vllm_model_dir)
+    engine.sync(caller)
+    old, new = caller, changed(caller, seed=3)
+    # vLLM's lockstep gathers every episode's next turn into one submission: the weights
+    # are wanted from the first one on, while its turns are decoded (they finish on the
+    # old weights), and the second waits for them, then gets the new weights
+    sync = NewWeightsAfter(engine, new, submissions=1)
+    engine.turn_sync = sync.hook()
+    try:
+        trajectories = collect(engine, tokenizer, seed=11, tasks=6)
+    finally:
+        engine.turn_sync = None
+    assert sync.applied == [threading.current_thread().name]
+    check_mid_batch(trajectories, old, new, sync.version, 1e-4, TEMPERATURE)
+
+
 def test_trajectories_have_the_torch_backend_s_structure(
     engine: VLLMBackend, vllm_model_dir: Path
 ) -> None:
@@ -351,6 +375,27 @@ def test_an_asynchronous_run_samples_with_vllm_from_the_background_thread(
         x = json.loads(line)
         assert {t["policy_version"] for t in x["turns"]} == {x["policy_version"]}
         assert 0 <= x["step"] - 1 - x["policy_version"] <= 2
+
+
+def test_partial_rollouts_sync_the_engine_in_process_between_turns(tmp_path: Path) -> None:
+    """max_staleness 1 with partial rollouts on vLLM: two-turn episodes with a 200 ms
+    lookup between the turns; the update beside each batch ends while its episodes wait on
+    the tool, and the engine takes the new weights before their second turns."""
+    from test_async import PARTIAL
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+                "algorithm.partial_rollouts=true"]  # fmt: skip
+    train(load_config(None, settings), tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[2:]:
+        assert r["rollout/mid_batch_syncs"] == 1.0
+        assert r["rollout/episodes_across_versions"] > 0.5
+        assert r["rollout/policy_lag_tokens_mean"] < 0.95
+    for line in (tmp_path / "trajectories.jsonl").read_text().splitlines():
+        versions = [t["policy_version"] for t in json.loads(line)["turns"]]
+        assert versions == sorted(versions)
 
 
 @pytest.mark.gpu

@@ -183,6 +183,12 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def oldest_version(self) -> int:
+        """The oldest policy version that sampled one of its turns (``policy_version``
+        before any turn): its staleness. With partial rollouts later turns may be newer."""
+        return min((turn.policy_version for turn in self.turns), default=self.policy_version)
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(len(t.completion_ids) for t in self.turns)
 
@@ -225,6 +231,7 @@ class Trajectory:
                 finish_reason=t["finish_reason"],
                 text=t.get("text", ""),
                 new_sample=t.get("new_sample", False),
+                policy_version=t.get("policy_version", 0),
             )
             for t in d.get("turns", [])
         ]

@@ -36,6 +36,7 @@ from turnrl.backends.engine import DecodeBatch, Prefill, Waiter
 from turnrl.backends.hf_cache import returned_cache
 from turnrl.backends.lockstep import until_reacted
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
+from turnrl.backends.turn_sync import TurnSync
 from turnrl.types import Completion, GenerationRequest
 
 T = TypeVar("T")
@@ -85,6 +86,8 @@ class TorchBackend:
         """Set on the event loop when ``run``'s program has returned: a barrier asked for
         after that releases at once (``asyncio.run`` is then cancelling what is left, and a
         task started now would be destroyed pending when the loop closes)."""
+        self.turn_sync: TurnSync | None = None
+        """New weights to take between turns while ``run`` serves (turn_sync.py)."""
 
     def _autocast(self) -> Any:
         device = next(self.model.parameters()).device
@@ -245,7 +248,10 @@ class TorchBackend:
         Lockstep: when requests submitted with a ``quiet`` check end, decoding pauses
         until the event loop has reacted (their episodes ran their tools and asked for
         their next turns, or went quiet), so a follow-up request joins at the same step
-        whatever the threads' timing: runs are reproducible to the bit."""
+        whatever the threads' timing: runs are reproducible to the bit.
+
+        New weights wanted mid-batch (``turn_sync``): admissions stop, the rows being
+        decoded finish, the weights are loaded, then the waiting requests are admitted."""
         batch = self._new_batch()
         waiting: deque[tuple[GenerationRequest, Waiter]] = deque()
         ended = False
@@ -268,7 +274,13 @@ class TorchBackend:
                 acks_owed = 0
             if acks_owed or not (batch or waiting):
                 continue
-            finished = self._drive(batch, waiting)
+            hold = self.turn_sync is not None and self.turn_sync.wanted()
+            if hold and not batch:  # nothing is being decoded: the new weights go in now
+                assert self.turn_sync is not None
+                self.turn_sync.apply()
+                hold = False
+            # while new weights wait, the rows being decoded finish and nothing joins them
+            finished = self._drive(batch, deque() if hold else waiting)
             quiet = {id(w.quiet): w for w in finished if isinstance(w, _Pending) and w.quiet}
             if quiet:
                 acks_owed += 1

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from turnrl.backends.lockstep import until_reacted
+from turnrl.backends.turn_sync import TurnSync
 from turnrl.errors import BackendError, ConfigError
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
@@ -165,6 +166,10 @@ class VLLMBackend:
             dict[str, tuple[asyncio.Future[Completion], GenerationRequest, Any]] | None
         ) = None
         self._wake = asyncio.Event()
+        self.turn_sync: TurnSync | None = None
+        """New weights to take between turns while ``run`` serves (turn_sync.py)."""
+        self._held: list[tuple[str, dict[str, Any], Any]] = []
+        """Requests submitted while new weights wait for the engine to be idle."""
 
     def _params(self, request: GenerationRequest) -> Any:
         return self._vllm.SamplingParams(
@@ -228,17 +233,25 @@ class VLLMBackend:
         ``quiet``: the caller's "nothing left to submit" check. When one of these requests
         ends, the engine waits until ``quiet()`` has held for ``LOCKSTEP_TURNS`` turns of
         the event loop with nothing new submitted, so follow-ups join at the same engine
-        step on every run (as ``TorchBackend``)."""
+        step on every run (as ``TorchBackend``).
+
+        While new weights wait (``turn_sync``), the requests are held back and join once
+        the requests already in the engine have finished and the weights are loaded."""
         if self._running is None:
             return None
         loop = asyncio.get_running_loop()
         engine = self.llm.llm_engine
+        hold = self.turn_sync is not None and self.turn_sync.wanted()
         futures: list[asyncio.Future[Completion]] = []
         for request in requests:
             params = self._params(request)
             params.output_kind = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
             request_id = f"turnrl-{next(self._ids)}"
-            engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            prompt = {"prompt_token_ids": list(request.prompt_ids)}
+            if hold:
+                self._held.append((request_id, prompt, params))
+            else:
+                engine.add_request(request_id, prompt, params)
             future: asyncio.Future[Completion] = loop.create_future()
             self._running[request_id] = (future, request, quiet)
             futures.append(future)
@@ -263,7 +276,10 @@ class VLLMBackend:
             driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await driver
-            left, self._running = list(self._running), None
+            held = {request_id for request_id, _, _ in self._held}
+            self._held = []
+            left = [request_id for request_id in self._running if request_id not in held]
+            self._running = None
             if left:  # requests nobody waits for any more: free their engine slots
                 self.llm.llm_engine.abort_request(left)
             self.sleep()
@@ -275,6 +291,7 @@ class VLLMBackend:
         running = self._running
         assert running is not None
         while True:
+            self._between_turns(engine)
             if not engine.has_unfinished_requests():
                 self._wake.clear()
                 await self._wake.wait()
@@ -304,6 +321,17 @@ class VLLMBackend:
                 await self._lockstep(checks)
             else:
                 await asyncio.sleep(0)
+
+    def _between_turns(self, engine: Any) -> None:
+        """Once the requests held back for new weights are the only ones left: load the
+        weights (if they are still wanted), then hand the held requests to the engine."""
+        if not self._held or engine.has_unfinished_requests():
+            return
+        if self.turn_sync is not None and self.turn_sync.wanted():
+            self.turn_sync.apply()
+        held, self._held = self._held, []
+        for request_id, prompt, params in held:
+            engine.add_request(request_id, prompt, params)
 
     async def _lockstep(self, checks: list[Callable[[], bool]]) -> None:
         """Until the episodes that got completions ran their tools and asked for their

@@ -41,7 +41,8 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("completion length (tokens)", ("rollout/completion_tokens_mean",)),
     ("throughput (tokens/s)", ("perf/tokens_per_s",)),
     ("step time (s)", ("perf/step_s", "perf/rollout_s", "perf/rollout_wait_s")),
-    ("policy versions behind the learner", ("rollout/policy_lag_mean", "rollout/policy_lag_max")),
+    ("policy versions behind the learner",
+     ("rollout/policy_lag_mean", "rollout/policy_lag_max", "rollout/policy_lag_tokens_mean")),
 )  # fmt: skip
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
 MAX_STEPS_SHOWN = 24

@@ -447,6 +447,15 @@ class AlgorithmConfig:
     reproducible; with k >= 2 which version samples a batch depends on timing, and the
     learner's weights are copied once more. Behaviour log-probs feed ``off_policy``
     (``auto`` turns ``token_tis`` on); ``rollout/staleness_<d>`` is the histogram."""
+    partial_rollouts: bool = False
+    """With ``max_staleness`` >= 1: the engine takes the learner's new weights as soon as
+    an update ends, mid-batch, between turns (it lets the turns being sampled finish
+    first, so no turn mixes versions). The episodes in flight sample their next turns with
+    the newer weights, and every turn records its version: a batch is less stale, at the
+    cost of one more copy of the policy (the weights the engine takes them from) and of
+    runs that are not reproducible bit for bit (when a sync lands depends on timing).
+    Off: an episode finishes on the weights its batch started with. The engine in this
+    process only (torch or vLLM), not rollout workers."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -714,6 +723,12 @@ class Config:
                     f"algorithm.overlong.penalty_tokens ({penalty}) must be <= "
                     f"rollout.max_episode_tokens ({longest})",
                 ),
+                (
+                    not (self.algorithm.partial_rollouts and self.cluster.rollout_workers),
+                    "algorithm.partial_rollouts works with the engine in this process only "
+                    "(cluster.rollout_workers = 0): rollout workers take new weights between "
+                    "batches",
+                ),
             ]
         )
 
@@ -959,6 +974,7 @@ def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
         ("off_policy.cap", a.off_policy.correction != "none", "off_policy.correction != 'none'"),
         ("filter.max_rounds", a.filter.dynamic_sampling, "filter.dynamic_sampling = true"),
         ("clip.dual", a.policy_loss == "ppo", "policy_loss = 'ppo'"),
+        ("partial_rollouts", a.max_staleness > 0, "max_staleness >= 1"),
     ]  # fmt: skip
 
 

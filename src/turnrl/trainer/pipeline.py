@@ -4,11 +4,20 @@
 updates, then syncs the engine (``train_step``). ``Ahead`` is asynchronous training with
 ``algorithm.max_staleness`` = k >= 1: a background thread collects the batches of steps
 s + 1 .. s + k while step s updates, one batch after the other on the one engine. The
-engine holds its own weights (a copy, for the torch backend) and is synced only between
+engine holds its own weights (a copy, for the torch backend) and is synced between
 batches, when no episode is in flight: every turn, and every episode, is sampled by one
-version, recorded on the turn (partial rollouts never happen: an episode in flight at an
-update finishes on the weights it started with). The update weights the older samples with
-the behaviour log-probs (``off_policy``, ``token_tis`` by default).
+version, recorded on the turn (an episode in flight at an update finishes on the weights
+it started with). The update weights the older samples with the behaviour log-probs
+(``off_policy``, ``token_tis`` by default).
+
+Partial rollouts (``algorithm.partial_rollouts``): the engine also takes new weights
+mid-batch. After each update the loop publishes the learner's weights, and the engine,
+between two decoding steps, sees that newer weights wait (backends/turn_sync.py): it lets
+the turns it is decoding finish, admits nothing new, loads the published weights, and
+goes on. An episode in flight then continues with the newer weights from its next turn:
+no turn mixes versions, but an episode may (``rollout/episodes_across_versions``), and its
+staleness is counted by its oldest turn. Where the sync lands depends on timing, so such
+a run is not reproducible bit for bit, for any k.
 
 Which weights sample a batch: the newest the learner has when the batch starts.
 - When the engine is idle as a batch is queued (always with k = 1: the batch of step s + 1
@@ -45,7 +54,8 @@ from typing import Any, TextIO
 
 import torch
 
-from turnrl.errors import TurnrlError
+from turnrl.backends.turn_sync import TurnSync
+from turnrl.errors import ConfigError, TurnrlError
 from turnrl.trainer.step import (
     Collected,
     Row,
@@ -99,10 +109,18 @@ class Ahead:
     """The rollouts of the next ``depth`` steps in a background thread, in step order,
     while this step updates."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, *, partial: bool = False) -> None:
+        """``partial``: the engine takes new weights mid-batch, between turns
+        (``take_weights_between_turns`` hands it the hook)."""
         if depth < 1:
             raise ValueError(f"a pipeline is at least one step deep, not {depth}")
         self.depth = depth
+        self.partial = partial
+        self._hooked: Any = None
+        """The engine given the mid-batch hook, to take it back on ``close``."""
+        self._mid_batch_syncs = 0
+        self._mid_batch_sync_s = 0.0
+        """Syncs between turns so far, and their seconds (written on the engine's thread)."""
         # A new thread's OpenMP thread count is the process's default, not the count
         # ``threads`` set on the loop's thread: the rollouts would run on another number of
         # threads (and vLLM's CPU attention refuses to, "thread_num (2 vs. 1)").
@@ -129,7 +147,7 @@ class Ahead:
         row = update_phase(t, step, collected, version, trajectories_out)
         add_timings(row, synced)  # the batch's own sync may have timed it too
         self._version = version + 1
-        if self.depth > 1 and step + 1 < t.config.steps:
+        if (self.depth > 1 or self.partial) and step + 1 < t.config.steps:
             self._publish(t)
         step_s = time.perf_counter() - started
         row["perf/rollout_s"], row["perf/rollout_wait_s"] = collected.rollout_s, waited
@@ -152,17 +170,56 @@ class Ahead:
 
     def close(self) -> None:
         """Drop the batches queued ahead: those not started never run, the one running is
-        let finish (its episodes hold tool processes and engine slots); stop the thread."""
+        let finish (its episodes hold tool processes and engine slots); stop the thread;
+        take the mid-batch hook back from the engine."""
         queued, self._queue = list(self._queue.values()), {}
         for future in queued:
             future.cancel()  # False for the running one
         concurrent.futures.wait(queued, timeout=AHEAD_DEADLINE_S)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._hooked is not None:
+            self._hooked.turn_sync, self._hooked = None, None
+
+    def take_weights_between_turns(self, t: Trainer) -> None:
+        """Partial rollouts: give the engine the hook that syncs it mid-batch from the
+        published weights (backends/turn_sync.py)."""
+        if not hasattr(t.backend, "turn_sync"):
+            raise ConfigError(
+                f"algorithm.partial_rollouts: the engine ({type(t.backend).__name__}) cannot "
+                "take new weights between turns; the torch and vLLM backends can"
+            )
+        t.backend.turn_sync = TurnSync(  # type: ignore[attr-defined]
+            wanted=lambda: self._newer(t), apply=lambda: self._between_turns(t)
+        )
+        self._hooked = t.backend
+
+    def _newer(self, t: Trainer) -> bool:
+        """Whether the published weights are newer than the engine's (read without the
+        lock: a stale answer only moves the sync by one decoding step)."""
+        p = self._published
+        return p is not None and p.version > t.backend.policy_version
+
+    def _between_turns(self, t: Trainer) -> None:
+        """On the engine's thread, mid-batch, nothing being decoded: take the published
+        weights, counted and timed for the batch's row."""
+        started = time.perf_counter()
+        if self._take_published(t) is not None:
+            self._mid_batch_syncs += 1
+            self._mid_batch_sync_s += time.perf_counter() - started
 
     def _batch(self, t: Trainer, step: int) -> Collected:
         if step in self._queue:
             return self._wait(t, step, keep=False)
-        return rollout_phase(t, step)  # the first step (or the first after a resume)
+        return self._rollout(t, step)  # the first step (or the first after a resume)
+
+    def _rollout(self, t: Trainer, step: int) -> Collected:
+        """``rollout_phase``, with the mid-batch syncs it saw in its row (partial rollouts)."""
+        syncs, sync_s = self._mid_batch_syncs, self._mid_batch_sync_s
+        collected = rollout_phase(t, step)
+        if self.partial:
+            collected.row["rollout/mid_batch_syncs"] = float(self._mid_batch_syncs - syncs)
+            collected.row["perf/mid_batch_sync_s"] = self._mid_batch_sync_s - sync_s
+        return collected
 
     def _queue_batch(self, t: Trainer, step: int) -> Row:
         """Queue the rollout of ``step``. An idle engine takes the learner's weights now
@@ -177,14 +234,19 @@ class Ahead:
     def _collect(self, t: Trainer, step: int) -> Collected:
         """In the background thread: sync the engine from the published weights if they
         are newer than its own, then collect ``step``'s batch."""
-        synced: Row = {}
-        with self._lock:
-            p = self._published
-            if p is not None and p.version > t.backend.policy_version:
-                synced = sync_engines(t, p.version, p.model)
-        collected = rollout_phase(t, step)
+        synced = self._take_published(t) or {}
+        collected = self._rollout(t, step)
         collected.row.update(synced)
         return collected
+
+    def _take_published(self, t: Trainer) -> Row | None:
+        """Sync the engine from the published weights if they are newer than its own (the
+        sync's metrics), else None. Nothing may be sampling."""
+        with self._lock:
+            p = self._published
+            if p is None or p.version <= t.backend.policy_version:
+                return None
+            return sync_engines(t, p.version, p.model)
 
     def _publish(self, t: Trainer) -> None:
         """After an update: the learner's weights, copied for the background thread."""
@@ -227,5 +289,10 @@ def add_timings(row: Row, timings: Row) -> None:
 
 def stepper(t: Trainer) -> Synchronous | Ahead:
     """The step mode ``algorithm.max_staleness`` asks for."""
-    k = t.config.algorithm.max_staleness
-    return Ahead(k) if k > 0 else Synchronous()
+    algo = t.config.algorithm
+    if algo.max_staleness == 0:
+        return Synchronous()
+    ahead = Ahead(algo.max_staleness, partial=algo.partial_rollouts)
+    if algo.partial_rollouts:
+        ahead.take_weights_between_turns(t)
+    return ahead

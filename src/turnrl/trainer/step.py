@@ -176,7 +176,7 @@ def update_phase(
     (the sampler's, in a synchronous run; up to ``algorithm.max_staleness`` newer than the
     trajectories' in an asynchronous one). The engine is not synced here (the caller does)."""
     groups, row = c.groups, c.row
-    versions = torch.tensor([x.policy_version for g in c.sampled for x in g], dtype=torch.long)
+    versions = torch.tensor([x.oldest_version for g in c.sampled for x in g], dtype=torch.long)
     lag = policy_lag_metrics(versions, learner_version)
     kl = shape_rewards(t, groups, row)  # 2. rewards: overlong penalty, a KL in the reward
     groups = select(t, groups, row)  # 3. StarPO-S variance filter
@@ -188,6 +188,9 @@ def update_phase(
     row = {"step": step + 1, **rollout_metrics(c.sampled), **row}
     row.update({f"rollout/{name}": float(value) for name, value in lag.items()})
     row.update(staleness_histogram(versions, learner_version, t.config.algorithm.max_staleness))
+    if t.config.algorithm.partial_rollouts:
+        row["rollout/episodes_across_versions"] = across_versions(c.sampled)
+        row["rollout/policy_lag_tokens_mean"] = token_lag(c.sampled, learner_version)
     row["rollout/dropped_errors"] = float(sum(x.error is not None for g in groups for x in g))
     if t.config.algorithm.overlong.filter:
         row["select/truncated_excluded"] = float(sum(x.truncated for g in groups for x in g))
@@ -208,6 +211,25 @@ def staleness_histogram(versions: torch.Tensor, learner_version: int, bound: int
         )
     n = max(versions.numel(), 1)
     return {f"rollout/staleness_{d}": float((lag == d).sum()) / n for d in range(bound + 1)}
+
+
+def across_versions(groups: Groups) -> float:
+    """The share of trajectories whose turns were sampled by more than one policy version
+    (partial rollouts: the engine took new weights while the episode was in flight)."""
+    trajectories = [x for g in groups for x in g]
+    mixed = sum(len({turn.policy_version for turn in x.turns}) > 1 for x in trajectories)
+    return mixed / max(len(trajectories), 1)
+
+
+def token_lag(groups: Groups, learner_version: int) -> float:
+    """How many versions behind the learner the step's sampled tokens are, on average:
+    with partial rollouts an episode's later turns are fresher than its oldest one, which
+    ``rollout/policy_lag_mean`` and the staleness histogram count it by."""
+    lags = [
+        (learner_version - turn.policy_version, len(turn.completion_ids))
+        for g in groups for x in g for turn in x.turns
+    ]  # fmt: skip
+    return sum(lag * n for lag, n in lags) / max(sum(n for _, n in lags), 1)
 
 
 def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
