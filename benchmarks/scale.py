@@ -22,7 +22,10 @@ takes about as long as the rollout; one torch thread (``--async-threads``), so t
 overlapped rollout and update each have one of this machine's two cores (with two threads
 each they fight over both: 0.77-0.78x measured). Reported: the median step, rollout and update times over
 the steps after the second, the ratio async / sync (the issue's target for k = 1: at most
-0.6), and the staleness k = 2 reached (the share of trajectories 2 versions behind).
+0.6), and the staleness k = 2 reached (the share of trajectories 2 versions behind). The
+k = 1 and 2 runs are made again with partial rollouts (``algorithm.partial_rollouts``: the
+engine takes new weights mid-batch, between turns): their step times, the sampled tokens'
+mean lag behind the learner, and the share of episodes that span two versions.
 
 Section ``workers``: rollout throughput with the episodes in process (1 and 2 torch
 threads) and on 1 and 2 Ray rollout workers (``cluster.rollout_workers``, one thread
@@ -212,8 +215,10 @@ ASYNC_RUN = [
 """The async section's run (with ``env.latency_s``, ``algorithm.epochs``, ``steps``)."""
 
 
-ASYNC_DEPTHS = (0, 1, 2)
-"""The ``algorithm.max_staleness`` values the async section runs."""
+ASYNC_RUNS = (
+    ("k0", 0, False), ("k1", 1, False), ("k2", 2, False), ("k1p", 1, True), ("k2p", 2, True),
+)  # fmt: skip
+"""(key, max_staleness, partial_rollouts) of each run of the async section, per tool."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,9 +236,25 @@ class UnevenLookup(SecretLookup):
         return SecretLookup._tools(dataclasses.replace(self, latency_s=latency), task)
 
 
+def lag_cells(run: dict[str, Any]) -> str:
+    """The token-lag and episodes-across-versions cells of an async run's line."""
+    lag = f"{run['token_lag']:.2f}" if "token_lag" in run else "-"
+    return f"{lag} | " + (f"{run['across_versions']:.0%}" if "across_versions" in run else "-")
+
+
+def async_line(key: str, k: int, partial: bool, run: dict[str, Any]) -> str:
+    """One line of the steady tool's table."""
+    stale = f"{run['stale_by_k']:.0%}" if "stale_by_k" in run else "-"
+    return (
+        f"| {k}{', partial' if partial else ''} | {run['step_s']:.2f} | {run['rollout_s']:.2f} "
+        f"| {run['train_s']:.2f} | {run['tool_calls_mean']:.2f} | {stale} | {lag_cells(run)} |"
+    )
+
+
 def async_section(args: argparse.Namespace) -> dict[str, Any]:
-    """The same run with max_staleness 0, 1 and 2, with a steady tool and with an uneven
-    one: median and mean step/rollout/update seconds."""
+    """The same run with max_staleness 0, 1 and 2, and 1 and 2 with partial rollouts, with a
+    steady tool and with an uneven one: median and mean step/rollout/update seconds, and
+    how far behind the sampled tokens were."""
     from turnrl.envs import make_env_spec
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
@@ -246,10 +267,11 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="scale-async-") as tmp:
         for tool in ("steady", "uneven"):
             runs = out if tool == "steady" else out.setdefault("uneven", {})
-            for k in ASYNC_DEPTHS:
+            for key, k, partial in ASYNC_RUNS:
                 settings = [
                     *ASYNC_RUN, f"env.latency_s={args.tool_latency}", f"algorithm.epochs={args.epochs}",
                     f"threads={args.async_threads}", f"steps={args.async_steps}", f"algorithm.max_staleness={k}",
+                    f"algorithm.partial_rollouts={str(partial).lower()}",
                 ]  # fmt: skip
                 if args.smoke:
                     settings += [
@@ -264,7 +286,7 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
                     env = UnevenLookup(
                         **dataclasses.asdict(steady), per_step=config.rollout.prompts_per_step
                     )
-                rows = train(config, Path(tmp) / f"{tool}-k{k}", progress=False, env=env).rows
+                rows = train(config, Path(tmp) / f"{tool}-{key}", progress=False, env=env).rows
                 timed = [r for r in rows if "perf/step_s" in r][2:] or [
                     r for r in rows if "perf/step_s" in r
                 ]
@@ -275,8 +297,15 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
                     r["rollout/tool_calls_mean"] for r in timed
                 )
                 got["stale_by_k"] = statistics.mean(r[f"rollout/staleness_{k}"] for r in timed)
-                runs[f"k{k}"] = got
-                print(f"{tool} tool, max_staleness={k}", json.dumps(got), flush=True)
+                # without partial rollouts a batch is one version: its tokens lag as it does
+                lag = "rollout/policy_lag_tokens_mean" if partial else "rollout/policy_lag_mean"
+                got["token_lag"] = statistics.mean(r[lag] for r in timed)
+                if partial:
+                    got["across_versions"] = statistics.mean(
+                        r["rollout/episodes_across_versions"] for r in timed
+                    )
+                runs[key] = got
+                print(f"{tool} tool, {key}", json.dumps(got), flush=True)
             runs["ratio"] = runs["k1"]["step_s"] / runs["k0"]["step_s"]
             runs["ratio_k2"] = runs["k2"]["step_s"] / runs["k0"]["step_s"]
     u = out["uneven"]  # alternating steps: the mean is the throughput, not the median
@@ -541,16 +570,10 @@ def main() -> None:
             f"{a.get('threads', 2)} torch thread(s))",
             "",
             "| max_staleness | step s | rollout s | update s | tool calls / episode "
-            "| trajectories k versions behind |",
-            "|---|---|---|---|---|---|",
-            *(
-                f"| {k} | {a[f'k{k}']['step_s']:.2f} | {a[f'k{k}']['rollout_s']:.2f} | "
-                f"{a[f'k{k}']['train_s']:.2f} | {a[f'k{k}']['tool_calls_mean']:.2f} | "
-                + (f"{a[f'k{k}']['stale_by_k']:.0%}" if "stale_by_k" in a[f"k{k}"] else "-")
-                + " |"
-                for k in ASYNC_DEPTHS
-                if f"k{k}" in a
-            ),
+            "| trajectories k versions behind | sampled tokens' mean lag | episodes across "
+            "versions |",
+            "|---|---|---|---|---|---|---|---|",
+            *(async_line(key, k, partial, a[key]) for key, k, partial in ASYNC_RUNS if key in a),
             "",
             f"Step time, async / sync: **{a['ratio']:.2f}x** with max_staleness 1 (target: at "
             "most 0.6x)"
@@ -567,12 +590,15 @@ def main() -> None:
                 "Mean step over the timed steps (they alternate, so the median says little):",
                 "",
                 "| max_staleness | mean step s | median rollout s | median update s "
-                "| trajectories k versions behind |",
-                "|---|---|---|---|---|",
+                "| trajectories k versions behind | sampled tokens' mean lag | episodes across "
+                "versions |",
+                "|---|---|---|---|---|---|---|",
                 *(
-                    f"| {k} | {u[f'k{k}']['step_s_mean']:.2f} | {u[f'k{k}']['rollout_s']:.2f} | "
-                    f"{u[f'k{k}']['train_s']:.2f} | {u[f'k{k}']['stale_by_k']:.0%} |"
-                    for k in ASYNC_DEPTHS
+                    f"| {k}{', partial' if partial else ''} | {u[key]['step_s_mean']:.2f} | "
+                    f"{u[key]['rollout_s']:.2f} | {u[key]['train_s']:.2f} | "
+                    f"{u[key]['stale_by_k']:.0%} | {lag_cells(u[key])} |"
+                    for key, k, partial in ASYNC_RUNS
+                    if key in u
                 ),
                 "",
                 f"Mean step time, async / sync: **{u['ratio_mean']:.2f}x** with max_staleness 1, "

@@ -289,6 +289,11 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert a["ratio_k2"] == pytest.approx(a["k2"]["step_s"] / a["k0"]["step_s"])
     assert a["k0"]["stale_by_k"] == 1.0  # synchronous: every trajectory 0 versions behind
     assert 0.0 <= a["k2"]["stale_by_k"] <= 1.0
+    assert a["k0"]["token_lag"] == 0.0
+    for key in ("k1p", "k2p"):  # partial rollouts: measured, tokens no staler than the bound
+        assert a[key]["timed_steps"] == a["k0"]["timed_steps"]
+        assert 0.0 <= a[key]["token_lag"] <= int(key[1])
+        assert 0.0 <= a[key]["across_versions"] <= 1.0
     w = data["workers"]
     layouts = ["in process, 1 thread", "in process, 2 threads", "1 worker", "2 workers"]
     assert all(w[k]["rollout_s"] > 0 and w[k]["episodes_per_s"] > 0 for k in layouts)
