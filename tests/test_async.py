@@ -220,10 +220,7 @@ def test_partial_rollouts_take_the_new_weights_between_an_episode_s_turns(
     assert prompts(tmp_path / "partial") == prompts(tmp_path / "whole")
 
 
-def test_partial_rollouts_need_an_asynchronous_run_and_the_engine_in_process() -> None:
-    with pytest.raises(ConfigError, match="rollout workers"):
-        load_config(None, ["algorithm.max_staleness=1", "algorithm.partial_rollouts=true",
-                           "cluster.rollout_workers=2"])  # fmt: skip
+def test_partial_rollouts_in_a_synchronous_run_are_flagged_as_inert() -> None:
     from turnrl.trainer.config import inert_settings
 
     synchronous = load_config(None, ["algorithm.partial_rollouts=true"])

@@ -441,6 +441,38 @@ def test_two_steps_deep_on_workers_the_background_thread_syncs_them(
     assert ids == [(step, task, sample) for step, task, sample, _ in episodes(runs["two"])]
 
 
+def test_partial_rollouts_on_workers_take_the_offered_weights_between_turns(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """Two workers, two-turn episodes with a 200 ms lookup between the turns: after each
+    update the driver offers the learner's weights, and each worker's engine takes them
+    before its episodes' next turns (or before its next batch, where the offer came
+    first); the syncs between batches then have nothing to do."""
+    from test_async import PARTIAL
+
+    partial_on_workers(tmp_path / "run", [*PARTIAL, "cluster.rollout_workers=2"])
+
+
+def partial_on_workers(out: Path, settings: list[str]) -> None:
+    """Train ``settings`` with partial rollouts into ``out``; check that the workers took
+    the offered weights between turns (timing decides where: mid-batch or at its start)."""
+    train(load_config(None, [*settings, "algorithm.partial_rollouts=true"]), out=out,
+          progress=False)  # fmt: skip
+    got = rows(out)
+    assert all(r["perf/rollout_offer_s"] > 0 for r in got[1:-1])  # after every update
+    for r in got[2:]:
+        assert r["rollout/policy_lag_tokens_mean"] < 0.95  # tokens sampled by the offers
+        assert "rollout/mid_batch_syncs" not in r  # the driver's count: its own engine's
+    assert any(r["rollout/episodes_across_versions"] > 0 for r in got[2:])
+    for r in got[2:-1]:  # the last step's is the evaluation's, after the final update
+        assert "perf/rollout_sync_s" not in r  # the workers took the offers: nothing to sync
+    for x in map(json.loads, (out / "trajectories.jsonl").read_text().splitlines()):
+        versions = [turn["policy_version"] for turn in x["turns"]]
+        assert versions == sorted(versions)
+        assert max(x["step"] - 2, 0) <= versions[0]
+        assert versions[-1] <= x["step"] - 1
+
+
 def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray: None) -> None:
     family = Tripwire(tmp_path)
     family.lock = threading.Lock()  # type: ignore[attr-defined]  # no pickle for a lock

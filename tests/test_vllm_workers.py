@@ -106,6 +106,17 @@ def test_a_lora_policy_samples_merged_on_a_vllm_worker_as_in_process(tmp_path: P
     ]  # fmt: skip
 
 
+def test_partial_rollouts_reach_a_vllm_worker_between_turns(tmp_path: Path) -> None:
+    """The offers of new weights after each update, taken by a vLLM worker's engine
+    between turns (tests/test_rollout_workers.py has the torch workers' case)."""
+    from test_async import PARTIAL
+    from test_rollout_workers import partial_on_workers
+
+    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+                "cluster.rollout_workers=1"]  # fmt: skip
+    partial_on_workers(tmp_path / "run", settings)
+
+
 def test_a_worker_without_the_model_directory_is_refused(tmp_path: Path, tokenizer: Any) -> None:
     """A vLLM worker on a node that does not mount the run directory says so."""
     c = resolved(config(1))

@@ -24,6 +24,13 @@ the driver's policy version, between batches and never while sampling; a vLLM wo
 it in place through the engine's ``reload_weights``, as the in-process vLLM engine does.
 ``perf/rollout_sync_s`` is the time it takes.
 
+Partial rollouts (``algorithm.partial_rollouts``): after each update the driver also offers
+the learner's weights to every worker through the object store (``offer``), without
+waiting. A worker's engine takes them between two turns of the batch it samples (it lets
+the turns being decoded finish first: backends/turn_sync.py), or before the first turn of
+its next batch, so the syncs between batches find the workers up to date. Such an actor
+takes two calls at once (the offer arrives while ``collect`` runs).
+
 Faults: every call has a deadline, and a worker that misses it stops the run with an error
 that names it. A worker that dies (its process killed, its node lost) is replaced by a new
 actor holding the current weights and version, and its whole shard runs again. The dead
@@ -41,6 +48,7 @@ import contextlib
 import functools
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +57,7 @@ from typing import Any
 import torch
 
 from turnrl.backends.torch_backend import TorchBackend
+from turnrl.backends.turn_sync import TurnSync
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
 from turnrl.distributed.weight_broadcast import (
@@ -118,6 +127,7 @@ class RolloutWorker:
         device: str = "cpu",
     ) -> None:
         torch.set_num_threads(threads)
+        self.threads = threads
         self._receiver: Receiver | None = None
         self.env = env
         self.sampling, self.limits = episode_settings(config, tokenizer)
@@ -132,11 +142,40 @@ class RolloutWorker:
             autocast = None if dtype is not None else autocast_dtype(config)
             self.backend = TorchBackend(model, tokenizer, autocast=autocast)
         self.backend.policy_version = version
+        self._offered: tuple[dict[str, torch.Tensor], int] | None = None
+        """Weights offered for the engine to take between turns, with their version."""
+        self._offer_lock = threading.Lock()
+        if config.algorithm.partial_rollouts:
+            hook = TurnSync(self._offer_is_newer, self._take_offer)
+            self.backend.turn_sync = hook  # type: ignore[attr-defined]
 
     def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
         """``tasks``' groups of episodes, ``spec.group_size`` each, in task order."""
+        # An actor that takes offers while it samples runs its calls on more than one
+        # thread, and a thread's torch thread count is its own (pipeline.py's ``Ahead``).
+        torch.set_num_threads(self.threads)
         program = collect_groups(tasks, self.env.make_env, self.backend, self.renderer, spec)
         return self.backend.run(program)
+
+    def offer_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Partial rollouts: newer weights, for the engine to take between two turns of the
+        batch it samples (or before the first turn of its next): they are kept, and the
+        engine's ``turn_sync`` loads them. Called while ``collect`` runs (the actor takes two
+        calls at once); an offer older than one kept or loaded is dropped."""
+        with self._offer_lock:
+            if self._offered is None or version > self._offered[1]:
+                self._offered = (weights, version)
+
+    def _offer_is_newer(self) -> bool:
+        offered = self._offered
+        return offered is not None and offered[1] > self.backend.policy_version
+
+    def _take_offer(self) -> None:
+        """On the engine's thread, nothing being decoded: load the weights offered."""
+        with self._offer_lock:
+            offered, self._offered = self._offered, None
+        if offered is not None and offered[1] > self.backend.policy_version:
+            self.load_weights(*offered)
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Take the learner's weights (``engine_weights``) as policy version ``version``
@@ -229,7 +268,12 @@ class RayRolloutWorkers:
         except BaseException:
             self.close()
             raise
-        self._actor_class = self.ray.remote(max_restarts=0, **resources)(RolloutWorker)
+        # With partial rollouts a worker takes offers of new weights while it samples
+        self.partial = spec.config.algorithm.partial_rollouts
+        concurrency = 2 if self.partial else 1
+        self._actor_class = self.ray.remote(
+            max_restarts=0, max_concurrency=concurrency, **resources
+        )(RolloutWorker)
         self._shared = (  # what every worker is made from, put once
             self.ray.put(spec.config),
             env_ref,
@@ -248,6 +292,11 @@ class RayRolloutWorkers:
         self._copy_synced = spec.config.algorithm.max_staleness > 0
         self._version = spec.version
         self._restarts = 0
+        self._offers: list[tuple[Any, int, float]] = []
+        """The offers not yet seen through: (call, worker, deadline)."""
+        self._lock = threading.Lock()
+        """Held while the weights a worker starts from change (``offer`` runs beside the
+        background thread's ``collect``, which may replace a worker)."""
         try:
             started = [self._new_actor() for _ in range(num_workers)]
             self.actors = [actor for actor, _ in started]
@@ -307,13 +356,61 @@ class RayRolloutWorkers:
         if self.weight_sync == "broadcast":
             timings = self._broadcast(model, version)
         else:
-            self._weights, self._version = self.ray.put(cpu_weights(model)), version
+            weights = self.ray.put(cpu_weights(model))
+            with self._lock:
+                self._weights, self._version = weights, version
             calls = [a.load_weights.remote(self._weights, version) for a in self.actors]
             timings = self._loaded(calls)
         metrics = {"perf/rollout_sync_s": time.perf_counter() - t0}
         for key in sorted({key for timing in timings for key in timing}):  # the slowest's
             metrics[key] = max(timing.get(key, 0.0) for timing in timings)
         return metrics
+
+    def offer(self, model: Any, version: int) -> dict[str, float]:
+        """Partial rollouts: ``model``'s weights, as ``version``, into the object store and
+        offered to every worker without waiting: each takes them between two turns of the
+        batch it samples, or before its next (``RolloutWorker.offer_weights``); a worker
+        started from now on starts from them. The time that took on this side
+        (``perf/rollout_offer_s``)."""
+        t0 = time.perf_counter()
+        self._check_offers()
+        weights = self.ray.put(cpu_weights(model))
+        with self._lock:
+            self._weights, self._version, self._synced = weights, version, None
+            actors = list(enumerate(self.actors))
+        deadline = time.monotonic() + self.call_timeout_s
+        for w, actor in actors:
+            self._offers.append((actor.offer_weights.remote(weights, version), w, deadline))
+        return {"perf/rollout_offer_s": time.perf_counter() - t0}
+
+    def _check_offers(self) -> None:
+        """The offers answered so far: one that raised stops the run naming its worker, one
+        past its deadline too (a worker that died is replaced by ``collect``, from the
+        newest weights: its offers are dropped)."""
+        if not self._offers:
+            return
+        calls = [call for call, _, _ in self._offers]
+        done, _ = self.ray.wait(calls, num_returns=len(calls), timeout=0)
+        answered = set(done)
+        left = []
+        for call, w, deadline in self._offers:
+            if call not in answered:
+                if time.monotonic() > deadline:
+                    raise RolloutWorkerError(
+                        f"rollout worker {w} did not take an offer of new weights within "
+                        f"{self.call_timeout_s:.0f} s"
+                    )
+                left.append((call, w, deadline))
+                continue
+            try:
+                self.ray.get(call)
+            except self.ray.exceptions.RayActorError:
+                pass  # died: replaced, from the newest weights
+            except self.ray.exceptions.RayTaskError as exc:
+                raise RolloutWorkerError(
+                    f"rollout worker {w} failed to take new weights: {exc}"
+                ) from exc
+        self._offers = left
 
     def _loaded(self, calls: list[Any]) -> list[dict[str, float]]:
         """The workers' answers to a sync's ``calls`` (one per worker, in order), within the
@@ -339,10 +436,11 @@ class RayRolloutWorkers:
         finish are replaced, a new group is formed, and the sync is sent again."""
         weights = {k: v.detach() for k, v in engine_weights(model).items()}
         layout = layout_of(weights)
-        self._version, self._weights = version, None
-        self._synced = (
+        synced = (
             {k: v.to("cpu", copy=True) for k, v in weights.items()} if self._copy_synced else model
         )
+        with self._lock:
+            self._version, self._weights, self._synced = version, None, synced
         problem = ""
         for _ in range(MAX_RESTARTS + 1):
             sender = self._sender or self._form_group()
@@ -471,11 +569,13 @@ class RayRolloutWorkers:
             config, env, self._start_policy, tokenizer, self._spec.version, self.threads,
             str(self._spec.model_path), self.device,
         )  # fmt: skip
-        if load and self._weights is None and self._synced is not None:  # broadcast syncs
-            synced = self._synced if isinstance(self._synced, dict) else cpu_weights(self._synced)
-            self._weights = self.ray.put(synced)
-        if load and self._weights is not None:
-            return actor, actor.load_weights.remote(self._weights, self._version)
+        with self._lock:
+            if load and self._weights is None and self._synced is not None:  # broadcasts
+                synced = self._synced
+                synced = synced if isinstance(synced, dict) else cpu_weights(synced)
+                self._weights = self.ray.put(synced)
+            if load and self._weights is not None:
+                return actor, actor.load_weights.remote(self._weights, self._version)
         return actor, actor.pid.remote()
 
     def _replace(self, w: int, load: bool = True) -> None:

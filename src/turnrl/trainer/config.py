@@ -454,8 +454,8 @@ class AlgorithmConfig:
     the newer weights, and every turn records its version: a batch is less stale, at the
     cost of one more copy of the policy (the weights the engine takes them from) and of
     runs that are not reproducible bit for bit (when a sync lands depends on timing).
-    Off: an episode finishes on the weights its batch started with. The engine in this
-    process only (torch or vLLM), not rollout workers."""
+    Off: an episode finishes on the weights its batch started with. Rollout workers are
+    offered the weights after each update and take them the same way."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -722,12 +722,6 @@ class Config:
                     penalty <= longest,
                     f"algorithm.overlong.penalty_tokens ({penalty}) must be <= "
                     f"rollout.max_episode_tokens ({longest})",
-                ),
-                (
-                    not (self.algorithm.partial_rollouts and self.cluster.rollout_workers),
-                    "algorithm.partial_rollouts works with the engine in this process only "
-                    "(cluster.rollout_workers = 0): rollout workers take new weights between "
-                    "batches",
                 ),
             ]
         )

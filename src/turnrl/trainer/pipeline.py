@@ -17,7 +17,9 @@ the turns it is decoding finish, admits nothing new, loads the published weights
 goes on. An episode in flight then continues with the newer weights from its next turn:
 no turn mixes versions, but an episode may (``rollout/episodes_across_versions``), and its
 staleness is counted by its oldest turn. Where the sync lands depends on timing, so such
-a run is not reproducible bit for bit, for any k.
+a run is not reproducible bit for bit, for any k. Rollout workers get the same: after each
+update the driver's engine takes the learner's weights and the workers are offered them
+(``RolloutWorkers.offer``), which each takes between turns.
 
 Which weights sample a batch: the newest the learner has when the batch starts.
 - When the engine is idle as a batch is queued (always with k = 1: the batch of step s + 1
@@ -147,8 +149,11 @@ class Ahead:
         row = update_phase(t, step, collected, version, trajectories_out)
         add_timings(row, synced)  # the batch's own sync may have timed it too
         self._version = version + 1
-        if (self.depth > 1 or self.partial) and step + 1 < t.config.steps:
-            self._publish(t)
+        if step + 1 < t.config.steps:
+            if self.depth > 1 or (self.partial and t.workers is None):
+                self._publish(t)
+            if self.partial and t.workers is not None:
+                add_timings(row, self._offer(t))
         step_s = time.perf_counter() - started
         row["perf/rollout_s"], row["perf/rollout_wait_s"] = collected.rollout_s, waited
         row["perf/step_s"], row["perf/train_s"] = step_s, step_s - waited
@@ -182,7 +187,10 @@ class Ahead:
 
     def take_weights_between_turns(self, t: Trainer) -> None:
         """Partial rollouts: give the engine the hook that syncs it mid-batch from the
-        published weights (backends/turn_sync.py)."""
+        published weights (backends/turn_sync.py). With rollout workers, which sample the
+        batches, ``_offer`` after each update instead."""
+        if t.workers is not None:
+            return
         if not hasattr(t.backend, "turn_sync"):
             raise ConfigError(
                 f"algorithm.partial_rollouts: the engine ({type(t.backend).__name__}) cannot "
@@ -192,6 +200,17 @@ class Ahead:
             wanted=lambda: self._newer(t), apply=lambda: self._between_turns(t)
         )
         self._hooked = t.backend
+
+    def _offer(self, t: Trainer) -> Row:
+        """Partial rollouts on rollout workers, after an update: the driver's engine (idle:
+        the workers sample) takes the learner's weights, and the workers are offered them
+        to take between turns (``RolloutWorkers.offer``); the offer's metrics."""
+        assert t.workers is not None
+        with self._lock:
+            version = self.learner_version(t)
+            t.backend.sync(t.learner.model)
+            t.backend.policy_version = version
+            return t.workers.offer(t.learner.model, version)
 
     def _newer(self, t: Trainer) -> bool:
         """Whether the published weights are newer than the engine's (read without the
@@ -213,10 +232,11 @@ class Ahead:
         return self._rollout(t, step)  # the first step (or the first after a resume)
 
     def _rollout(self, t: Trainer, step: int) -> Collected:
-        """``rollout_phase``, with the mid-batch syncs it saw in its row (partial rollouts)."""
+        """``rollout_phase``, with the mid-batch syncs it saw in its row (partial rollouts,
+        the engine in this process: rollout workers take their offers on their own)."""
         syncs, sync_s = self._mid_batch_syncs, self._mid_batch_sync_s
         collected = rollout_phase(t, step)
-        if self.partial:
+        if self.partial and t.workers is None:
             collected.row["rollout/mid_batch_syncs"] = float(self._mid_batch_syncs - syncs)
             collected.row["perf/mid_batch_sync_s"] = self._mid_batch_sync_s - sync_s
         return collected

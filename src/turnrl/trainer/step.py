@@ -60,6 +60,12 @@ class RolloutWorkers(Protocol):
         batches, never while sampling); metrics of the sync."""
         ...
 
+    def offer(self, model: Any, version: int) -> dict[str, float]:
+        """Partial rollouts: ``model``'s weights as ``version``, for every worker to take
+        between turns of the batch it samples (or before its next), without waiting;
+        metrics of the offer."""
+        ...
+
     def take_metrics(self) -> dict[str, float]:
         """What happened to the workers since the last call (restarts), as metrics."""
         ...
