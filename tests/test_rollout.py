@@ -5,6 +5,7 @@ observations, and the recorded reason of every truncation."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -185,8 +186,11 @@ def test_trajectory_json_round_trip_is_exact(tokenizer: Any) -> None:
     import json
 
     traj, _ = play(tokenizer, [CALL, TASK.answer])
+    # each turn's version kept (partial rollouts sample an episode's turns with several)
+    traj.turns = [dataclasses.replace(turn, policy_version=v) for v, turn in enumerate(traj.turns)]
     again = Trajectory.from_json(json.loads(json.dumps(traj.to_json())))
     assert again == traj
+    assert [turn.policy_version for turn in again.turns] == [0, 1]
     assert again.samples() == traj.samples()
 
 

@@ -9,7 +9,8 @@ requests that waited. The episodes in flight sample their next turns with the ne
 and each turn records the version that sampled it (``Completion.policy_version``).
 
 A backend that can do this has a ``turn_sync`` attribute (None: nothing wanted); the
-trainer's pipeline sets it (trainer/pipeline.py). The engine asks ``wanted`` at each
+trainer's pipeline sets it for the engine in its process (trainer/pipeline.py), a rollout
+worker for its own (distributed/rollout_workers.py). The engine asks ``wanted`` at each
 decoding step, so it must be cheap, and calls ``apply`` on its own thread."""
 
 from __future__ import annotations
