@@ -408,6 +408,38 @@ def test_a_worker_replaced_mid_batch_of_an_asynchronous_run_holds_the_synced_wei
         workers.close()
 
 
+def test_workers_take_offered_weights_and_a_replacement_starts_from_them(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path
+) -> None:
+    """Partial rollouts: weights offered between batches are taken before the next batch's
+    first turn, by every worker; a worker that dies after an offer is replaced from the
+    offered weights, and the next offers go to its replacement."""
+    c = resolved(config(2, "algorithm.max_staleness=1", "algorithm.partial_rollouts=true"))
+    family = make_env_spec(c.env.name, **c.env.options)
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1
+    )
+    try:
+        for version, kill in ((7, False), (8, True)):
+            updated(model)
+            assert workers.offer(model, version)["perf/rollout_offer_s"] > 0
+            offered = copy.deepcopy(model)
+            # an offer may run beside a batch (the actor takes two calls at once): wait for
+            # these, so that the batch below starts after them
+            ray.wait([call for call, *_ in workers._offers], num_returns=2, timeout=60)
+            updated(model)  # the learner moves on: only the offered weights may sample
+            if kill:
+                os.kill(ray.get(workers.actors[1].pid.remote(), timeout=60), signal.SIGKILL)
+            sampled_as_in_process(workers, c, family, offered, tokenizer, version)
+        assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
+        workers.offer(model, 9)
+        ray.wait([call for call, *_ in workers._offers], num_returns=2, timeout=60)
+        workers.offer(model, 10)  # sees the answers through: none failed
+        assert len(workers._offers) == 2
+    finally:
+        workers.close()
+
+
 def test_asynchronous_training_on_workers_collects_the_same_prompts(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

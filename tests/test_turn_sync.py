@@ -112,3 +112,28 @@ def test_without_the_hook_the_batch_keeps_its_weights(caller: Any, tokenizer: An
     worst, count = gap_by_version({0: old}, trajectories)
     assert count > 100
     assert worst < 1e-4
+
+
+def test_a_failed_load_is_recorded_by_the_episodes_that_waited_for_it(
+    caller: Any, tokenizer: Any
+) -> None:
+    """A load that raises ends the episodes that waited for the new weights with its
+    error (a bad rollout is data), and the batch finishes: nothing hangs."""
+    backend = TorchBackend(copy.deepcopy(caller.eval()), tokenizer)
+    backend.turn_sync = failing_load(backend, after=2)
+    trajectories = collect(backend, tokenizer)
+    failed = [t for t in trajectories if t.error is not None]
+    assert failed
+    assert all("the weights did not load" in str(t.error) for t in failed)
+    assert any(t.turns for t in failed)  # failed at a later turn: the first one kept
+
+
+def failing_load(backend: Any, after: int) -> TurnSync:
+    """New weights, whose load raises, wanted once ``after`` more batches of requests were
+    submitted (see ``NewWeightsAfter``)."""
+    start = backend.submissions
+
+    def load() -> None:
+        raise RuntimeError("the weights did not load")
+
+    return TurnSync(lambda: backend.submissions >= start + after, load)

@@ -19,7 +19,12 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup-vllm)")
 
 from conftest import warmed_up  # noqa: E402
-from test_turn_sync import NewWeightsAfter, changed, check_mid_batch  # noqa: E402
+from test_turn_sync import (  # noqa: E402
+    NewWeightsAfter,
+    changed,
+    check_mid_batch,
+    failing_load,
+)
 from turnrl.backends.torch_backend import TorchBackend  # noqa: E402
 from turnrl.backends.vllm_backend import VLLMBackend  # noqa: E402
 from turnrl.envs import SecretLookup  # noqa: E402
@@ -228,6 +233,22 @@ def test_new_weights_mid_batch_wait_for_the_turns_being_sampled(
         engine.turn_sync = None
     assert sync.applied == [threading.current_thread().name]
     check_mid_batch(trajectories, old, new, sync.version, 1e-4, TEMPERATURE)
+
+
+def test_a_failed_load_mid_batch_is_recorded_not_hung(
+    engine: VLLMBackend, vllm_model_dir: Path, caller: Any
+) -> None:
+    tokenizer = load_tokenizer(vllm_model_dir)
+    engine.sync(caller)
+    engine.turn_sync = failing_load(engine, after=1)  # the second turns wait for it
+    try:
+        trajectories = collect(engine, tokenizer, seed=11, tasks=4)
+    finally:
+        engine.turn_sync = None
+    failed = [t for t in trajectories if t.error is not None]
+    assert failed
+    assert all("the weights did not load" in str(t.error) for t in failed)
+    assert all(t.turns for t in failed)  # each failed at its second turn, the first kept
 
 
 def test_trajectories_have_the_torch_backend_s_structure(

@@ -277,7 +277,13 @@ class TorchBackend:
             hold = self.turn_sync is not None and self.turn_sync.wanted()
             if hold and not batch:  # nothing is being decoded: the new weights go in now
                 assert self.turn_sync is not None
-                self.turn_sync.apply()
+                try:
+                    self.turn_sync.apply()
+                except Exception as exc:  # each waiting episode records the failed load
+                    for _, waiter in waiting:
+                        waiter.fail(exc)
+                    waiting.clear()
+                    continue
                 hold = False
             # while new weights wait, the rows being decoded finish and nothing joins them
             finished = self._drive(batch, deque() if hold else waiting)

@@ -327,9 +327,15 @@ class VLLMBackend:
         weights (if they are still wanted), then hand the held requests to the engine."""
         if not self._held or engine.has_unfinished_requests():
             return
-        if self.turn_sync is not None and self.turn_sync.wanted():
-            self.turn_sync.apply()
         held, self._held = self._held, []
+        if self.turn_sync is not None and self.turn_sync.wanted():
+            try:
+                self.turn_sync.apply()
+            except Exception as exc:  # each held request's episode records the failed load
+                assert self._running is not None
+                for request_id, _, _ in held:
+                    self._running.pop(request_id)[0].set_exception(exc)
+                return
         for request_id, prompt, params in held:
             engine.add_request(request_id, prompt, params)
 
