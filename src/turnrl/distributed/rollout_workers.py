@@ -269,8 +269,7 @@ class RayRolloutWorkers:
             self.close()
             raise
         # With partial rollouts a worker takes offers of new weights while it samples
-        self.partial = spec.config.algorithm.partial_rollouts
-        concurrency = 2 if self.partial else 1
+        concurrency = 2 if spec.config.algorithm.partial_rollouts else 1
         self._actor_class = self.ray.remote(
             max_restarts=0, max_concurrency=concurrency, **resources
         )(RolloutWorker)
