@@ -174,8 +174,8 @@ class Tripwire:
     one worker dies mid-step, its other episodes in flight) or ``hang`` (every reset
     sleeps a minute)."""
 
-    def __init__(self, directory: Path) -> None:
-        env = config(0).env
+    def __init__(self, directory: Path, settings: Config | None = None) -> None:
+        env = (settings or config(0)).env  # the small run's unless ``settings`` are given
         self.inner = make_env_spec(env.name, **env.options)
         self.directory = str(directory)
 
@@ -242,6 +242,35 @@ def test_a_worker_killed_mid_step_loses_no_episode(
     assert [r.get("rollout/worker_restarts") for r in got] == [None, 0.0, 1.0, 0.0]
     assert episodes(out) == episodes(runs["two"])
     assert [deterministic(r) for r in got] == [deterministic(r) for r in rows(runs["two"])]
+
+
+def test_a_worker_killed_mid_step_of_a_run_with_partial_rollouts_loses_no_episode(
+    local_ray: None, tmp_path: Path, by_value: None
+) -> None:
+    """With partial rollouts (offers to the workers while they sample), a worker killed at
+    the start of step 3's rollout is replaced from the newest offered weights and its shard
+    collected again: every step trains on the episodes of the run without the kill."""
+    from test_async import PARTIAL
+
+    settings = [*PARTIAL, "cluster.rollout_workers=2", "algorithm.partial_rollouts=true"]
+    straight = tmp_path / "straight"
+    train(load_config(None, settings), out=straight, progress=False)
+
+    def arm(row: Row) -> None:
+        if row["step"] == 1:  # step 2's batch is being collected: the kill hits step 3's
+            (tmp_path / "kill").write_text("")
+
+    out = tmp_path / "run"
+    c = load_config(None, settings)
+    train(c, env=Tripwire(tmp_path, c), out=out, progress=False, on_row=arm)
+    assert (tmp_path / "kill.fired").exists()  # a worker did die
+    assert sum(r.get("rollout/worker_restarts", 0.0) for r in rows(out)) == 1.0
+    ids = [(step, task, sample) for step, task, sample, _ in episodes(out)]
+    assert ids == [(step, task, sample) for step, task, sample, _ in episodes(straight)]
+    for x in map(json.loads, (out / "trajectories.jsonl").read_text().splitlines()):
+        versions = [turn["policy_version"] for turn in x["turns"]]
+        assert versions == sorted(versions)
+        assert max(x["step"] - 2, 0) <= versions[0]
 
 
 def test_a_hung_worker_stops_the_run_naming_it(
