@@ -20,11 +20,15 @@ from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.types import GenerationRequest
 
 
-def collect(backend: TorchBackend, tokenizer: Any, via_run: bool) -> list[Any]:
+def collect(
+    backend: TorchBackend, tokenizer: Any, via_run: bool, *, max_tokens: int = 12, seed: int = 5
+) -> list[Any]:
+    """4 tasks x 3 episodes of up to 3 turns of ``max_tokens``, through ``backend.run``
+    (``via_run``) or a plain event loop."""
     spec = SecretLookup(num_keys=2, key_pool=2)
     group = GroupSpec(
-        3, EpisodeLimits(max_turns=3, max_tokens_per_turn=12),
-        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=5,
+        3, EpisodeLimits(max_turns=3, max_tokens_per_turn=max_tokens),
+        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=seed,
     )  # fmt: skip
     program = collect_groups(
         [spec.task(i) for i in range(4)], spec.make_env, backend, ChatRenderer(tokenizer), group

@@ -12,14 +12,10 @@ from typing import Any
 
 import torch
 
+import test_engine
 from conftest import gap_by_version
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.turn_sync import TurnSync
-from turnrl.envs import SecretLookup
-from turnrl.models.loading import stop_token_ids
-from turnrl.rollout.chat import ChatRenderer
-from turnrl.rollout.episode import EpisodeLimits, SamplingParams
-from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.types import Trajectory
 
 
@@ -33,16 +29,9 @@ def changed(model: Any, seed: int) -> Any:
     return other.eval()
 
 
-def collect(backend: Any, tokenizer: Any, tasks: int = 4) -> list[Trajectory]:
-    spec = SecretLookup(num_keys=2, key_pool=2)
-    group = GroupSpec(
-        3, EpisodeLimits(max_turns=3, max_tokens_per_turn=16),
-        SamplingParams(stop_token_ids=stop_token_ids(tokenizer)), seed=7,
-    )  # fmt: skip
-    program = collect_groups(
-        [spec.task(i) for i in range(tasks)], spec.make_env, backend, ChatRenderer(tokenizer), group
-    )
-    return [t for g in backend.run(program) for t in g]
+def collect(backend: Any, tokenizer: Any) -> list[Trajectory]:
+    """Episodes of the warmed-up model, long enough turns for its tool calls."""
+    return test_engine.collect(backend, tokenizer, via_run=True, max_tokens=16, seed=7)
 
 
 class NewWeightsAfter:
