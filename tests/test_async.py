@@ -188,10 +188,10 @@ def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_ex
 PARTIAL = [
     "model.echo_steps=0", "steps=4", "eval.every=4", "eval.num_tasks=8",
     "rollout.prompts_per_step=4", "rollout.group_size=4", "threads=1",
-    "env.options.latency_s=0.2", "algorithm.max_staleness=1",
+    "env.options.latency_s=0.5", "algorithm.max_staleness=1",
 ]  # fmt: skip
 """Episodes of two turns (the quick-start's model after its 60-step warm-up calls the tool)
-with a 200 ms lookup between them: a batch collected ahead is still mid-way, its episodes
+with a 500 ms lookup between them: a batch collected ahead is still mid-way, its episodes
 waiting on the tool, when the update beside it ends."""
 
 

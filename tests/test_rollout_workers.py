@@ -505,7 +505,7 @@ def test_two_steps_deep_on_workers_the_background_thread_syncs_them(
 def test_partial_rollouts_on_workers_take_the_offered_weights_between_turns(
     local_ray: None, tmp_path: Path
 ) -> None:
-    """Two workers, two-turn episodes with a 200 ms lookup between the turns: after each
+    """Two workers, two-turn episodes with a 500 ms lookup between the turns: after each
     update the driver offers the learner's weights, and each worker's engine takes them
     before its episodes' next turns (or before its next batch, where the offer came
     first); the syncs between batches then have nothing to do."""

@@ -399,7 +399,7 @@ def test_an_asynchronous_run_samples_with_vllm_from_the_background_thread(
 
 
 def test_partial_rollouts_sync_the_engine_in_process_between_turns(tmp_path: Path) -> None:
-    """max_staleness 1 with partial rollouts on vLLM: two-turn episodes with a 200 ms
+    """max_staleness 1 with partial rollouts on vLLM: two-turn episodes with a 500 ms
     lookup between the turns; the update beside each batch ends while its episodes wait on
     the tool, and the engine takes the new weights before their second turns."""
     from test_async import PARTIAL
