@@ -209,15 +209,22 @@ def test_partial_rollouts_take_the_new_weights_between_an_episode_s_turns(
         assert r["rollout/episodes_across_versions"] > 0.5
         assert r["rollout/staleness_1"] == 1.0  # counted by an episode's oldest turn
         assert r["rollout/policy_lag_tokens_mean"] < 0.95  # its later turns are fresh
+    assert turn_versions_move_forward(tmp_path / "partial") > 0
+    assert prompts(tmp_path / "partial") == prompts(tmp_path / "whole")
+
+
+def turn_versions_move_forward(run: Path) -> int:
+    """Check a k = 1 run's logged episodes: each one's turn versions never go back, and
+    lie between the learner's one step before (step s's learner holds version s - 1) and
+    its own; return how many episodes span more than one version."""
     mixed = 0
-    for x in trajectories(tmp_path / "partial"):  # step s's learner holds version s - 1
+    for x in trajectories(run):
         versions = [t["policy_version"] for t in x["turns"]]
         assert versions == sorted(versions)
         assert max(x["step"] - 2, 0) <= versions[0]
         assert versions[-1] <= x["step"] - 1
         mixed += len(set(versions)) > 1
-    assert mixed > 0
-    assert prompts(tmp_path / "partial") == prompts(tmp_path / "whole")
+    return mixed
 
 
 def test_partial_rollouts_in_a_synchronous_run_are_flagged_as_inert() -> None:

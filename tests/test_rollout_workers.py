@@ -250,7 +250,7 @@ def test_a_worker_killed_mid_step_of_a_run_with_partial_rollouts_loses_no_episod
     """With partial rollouts (offers to the workers while they sample), a worker killed at
     the start of step 3's rollout is replaced from the newest offered weights and its shard
     collected again: every step trains on the episodes of the run without the kill."""
-    from test_async import PARTIAL
+    from test_async import PARTIAL, turn_versions_move_forward
 
     settings = [*PARTIAL, "cluster.rollout_workers=2", "algorithm.partial_rollouts=true"]
     straight = tmp_path / "straight"
@@ -267,10 +267,7 @@ def test_a_worker_killed_mid_step_of_a_run_with_partial_rollouts_loses_no_episod
     assert sum(r.get("rollout/worker_restarts", 0.0) for r in rows(out)) == 1.0
     ids = [(step, task, sample) for step, task, sample, _ in episodes(out)]
     assert ids == [(step, task, sample) for step, task, sample, _ in episodes(straight)]
-    for x in map(json.loads, (out / "trajectories.jsonl").read_text().splitlines()):
-        versions = [turn["policy_version"] for turn in x["turns"]]
-        assert versions == sorted(versions)
-        assert max(x["step"] - 2, 0) <= versions[0]
+    turn_versions_move_forward(out)
 
 
 def test_a_hung_worker_stops_the_run_naming_it(
@@ -517,6 +514,8 @@ def test_partial_rollouts_on_workers_take_the_offered_weights_between_turns(
 def partial_on_workers(out: Path, settings: list[str]) -> None:
     """Train ``settings`` with partial rollouts into ``out``; check that the workers took
     the offered weights between turns (timing decides where: mid-batch or at its start)."""
+    from test_async import turn_versions_move_forward
+
     train(load_config(None, [*settings, "algorithm.partial_rollouts=true"]), out=out,
           progress=False)  # fmt: skip
     got = rows(out)
@@ -527,11 +526,7 @@ def partial_on_workers(out: Path, settings: list[str]) -> None:
     assert any(r["rollout/episodes_across_versions"] > 0 for r in got[2:])
     for r in got[2:-1]:  # the last step's is the evaluation's, after the final update
         assert "perf/rollout_sync_s" not in r  # the workers took the offers: nothing to sync
-    for x in map(json.loads, (out / "trajectories.jsonl").read_text().splitlines()):
-        versions = [turn["policy_version"] for turn in x["turns"]]
-        assert versions == sorted(versions)
-        assert max(x["step"] - 2, 0) <= versions[0]
-        assert versions[-1] <= x["step"] - 1
+    turn_versions_move_forward(out)
 
 
 def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray: None) -> None:
