@@ -27,6 +27,15 @@ k = 1 and 2 runs are made again with partial rollouts (``algorithm.partial_rollo
 engine takes new weights mid-batch, between turns): their step times, the sampled tokens'
 mean lag behind the learner, and the share of episodes that span two versions.
 
+Section ``tail``: batches with a slow tail, one after the other and overlapping
+(``algorithm.overlap_batches``). secret-lookup whose lookups take ``--tail-latency``
+seconds (2 s) for one task in each batch of 8 (one group of 8 episodes in 64) and no
+time for the others: a batch lasts as long as its slow group's lookups, while the engine
+has little else to do. The same run synchronously, with k = 2 and partial rollouts, and
+with k = 2, partial rollouts and overlapping batches; one learner epoch (the update is
+short: the rollout is the slow side). Reported: the median step, its ratio to the
+synchronous step, the most batches the engine ran at once, the sampled tokens' mean lag.
+
 Section ``workers``: rollout throughput with the episodes in process (1 and 2 torch
 threads) and on 1 and 2 Ray rollout workers (``cluster.rollout_workers``, one thread
 each), the same run synchronously: a 4x larger model than the async section's and 16 x 8
@@ -47,6 +56,7 @@ locally, from the tiny one to about 100M parameters, float32.
     python benchmarks/scale.py --sections sync
     python benchmarks/scale.py --sections async
     python benchmarks/scale.py --sections workers
+    python benchmarks/scale.py --sections tail
     python benchmarks/scale.py --smoke       # the tiny model only, one timed round
 
 Writes benchmarks/results/scale.json and .md (``--out``; ``--smoke``: a temporary
@@ -234,6 +244,94 @@ class UnevenLookup(SecretLookup):
         slow = split == "train" and int(index) // self.per_step % 2 == 0
         latency = 2 * self.latency_s if slow else 0.0
         return SecretLookup._tools(dataclasses.replace(self, latency_s=latency), task)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailLookup(SecretLookup):
+    """secret-lookup whose lookups take ``slow_s`` for the first task of each step's
+    ``per_step`` (one group in each batch) and no time for the others."""
+
+    per_step: int = 8
+    slow_s: float = 2.0
+
+    def _tools(self, task: Task) -> ToolSet:
+        split, _, index = task.id.rpartition("-")
+        slow = split == "train" and int(index) % self.per_step == 0
+        latency = self.slow_s if slow else 0.0
+        return SecretLookup._tools(dataclasses.replace(self, latency_s=latency), task)
+
+
+TAIL_RUNS = (("k0", 0, False), ("k2p", 2, False), ("k2p_overlap", 2, True))
+"""(key, max_staleness, overlap_batches) of the tail section's runs (partial rollouts on
+with k >= 1)."""
+
+
+def tail_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The same run with a slow group in every batch: synchronously, with k = 2 and
+    partial rollouts, and with overlapping batches too; median step seconds."""
+    from turnrl.envs import make_env_spec
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    out: dict[str, Any] = {"slow_s": args.tail_latency, "steps": args.async_steps}
+    with tempfile.TemporaryDirectory(prefix="scale-tail-") as tmp:
+        for key, k, overlap in TAIL_RUNS:
+            settings = [
+                *ASYNC_RUN, "algorithm.epochs=1", f"threads={args.async_threads}",
+                f"steps={args.async_steps}", f"algorithm.max_staleness={k}",
+                f"algorithm.partial_rollouts={str(k > 0).lower()}",
+                f"algorithm.overlap_batches={str(overlap).lower()}",
+            ]  # fmt: skip
+            if args.smoke:
+                settings += ["warmup.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
+            config = load_config("quickstart", settings)
+            steady = make_env_spec(config.env.name, **config.env.options)
+            env = TailLookup(
+                **dataclasses.asdict(steady), per_step=config.rollout.prompts_per_step,
+                slow_s=args.tail_latency,
+            )  # fmt: skip
+            rows = train(config, Path(tmp) / key, progress=False, env=env).rows
+            stepped = [r for r in rows if "perf/step_s" in r]
+            timed = stepped[2:] or stepped
+            got: dict[str, Any] = {
+                "step_s": statistics.median(r["perf/step_s"] for r in timed),
+                "rollout_s": statistics.median(r["perf/rollout_s"] for r in timed),
+                "timed_steps": len(timed),
+                "tool_calls_mean": statistics.mean(r["rollout/tool_calls_mean"] for r in timed),
+                "batches_at_once": max(r.get("rollout/batches_at_once", 1.0) for r in timed),
+                "token_lag": statistics.mean(
+                    r.get("rollout/policy_lag_tokens_mean", 0.0) for r in timed
+                ),
+            }
+            out[key] = got
+            print(f"tail, {key}", json.dumps(got), flush=True)
+    for key, _, _ in TAIL_RUNS[1:]:
+        out[key]["ratio"] = out[key]["step_s"] / out["k0"]["step_s"]
+    return out
+
+
+def tail_lines(t: dict[str, Any]) -> list[str]:
+    """The tail section's table."""
+    names = {"k0": "0", "k2p": "2, partial", "k2p_overlap": "2, partial, overlapping batches"}
+    return [
+        "",
+        f"## A slow tail ({t['slow_s'] * 1000:.0f} ms lookups for one group in each batch, "
+        f"none for the others; {t['steps']} steps each)",
+        "",
+        "| max_staleness | step s | async / sync | rollout s | tool calls / episode "
+        "| most batches at once | sampled tokens' mean lag |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {names[key]} | {t[key]['step_s']:.2f} | "
+            + (f"{t[key]['ratio']:.2f}x" if "ratio" in t[key] else "-")
+            + f" | {t[key]['rollout_s']:.2f} | {t[key]['tool_calls_mean']:.2f} | "
+            f"{t[key]['batches_at_once']:.0f} | {t[key]['token_lag']:.2f} |"
+            for key, _, _ in TAIL_RUNS
+        ),
+        "",
+        "Rollout s is each batch's own wall time; with overlapping batches two of them run "
+        "at once, so a step can take less than its batch.",
+    ]
 
 
 def lag_cells(run: dict[str, Any]) -> str:
@@ -459,7 +557,12 @@ def sync_table(sync: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["learner", "async", "workers", "sync"])
+    parser.add_argument(
+        "--sections", nargs="+", default=["learner", "async", "tail", "workers", "sync"]
+    )
+    parser.add_argument(
+        "--tail-latency", type=float, default=2.0, help="the slow lookups' seconds (tail section)"
+    )
     parser.add_argument(
         "--workers-latency", type=float, default=0.0, help="tool seconds (workers section)"
     )
@@ -471,7 +574,10 @@ def main() -> None:
     parser.add_argument(
         "--async-threads", type=int, default=1, help="torch threads (one core each)"
     )
-    smoke = {"repeats": 1, "samples": 8, "tool_latency": 0.05, "epochs": 1, "async_steps": 3}
+    smoke = {
+        "repeats": 1, "samples": 8, "tool_latency": 0.05, "epochs": 1, "async_steps": 3,
+        "tail_latency": 0.1,
+    }  # fmt: skip
     args = parse_args(parser, "scale", smoke)
     batch = samples(args.samples)
     load_before = os.getloadavg()[0]
@@ -488,6 +594,7 @@ def main() -> None:
             rows.append(row)
             print(name, json.dumps({k: v for k, v in row.items() if k != "model"}), flush=True)
     asynchronous = async_section(args) if "async" in args.sections else kept.get("async")
+    tail = tail_section(args) if "tail" in args.sections else kept.get("tail")
     workers = workers_section(args) if "workers" in args.sections else kept.get("workers")
     sync = sync_section(args) if "sync" in args.sections else kept.get("sync")
     if "learner" not in args.sections:  # a section not re-run keeps its last figures
@@ -506,6 +613,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         **meta, "rows": rows, **({"async": asynchronous} if asynchronous else {}),
+        **({"tail": tail} if tail else {}),
         **({"workers": workers} if workers else {}), **({"sync": sync} if sync else {}),
     }  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=2))
@@ -604,6 +712,8 @@ def main() -> None:
                 f"Mean step time, async / sync: **{u['ratio_mean']:.2f}x** with max_staleness 1, "
                 f"**{u['ratio_k2_mean']:.2f}x** with 2.",
             ]
+    if tail:
+        lines += tail_lines(tail)
     if workers:
         w = workers
         base = w["in process, 1 thread"]["episodes_per_s"]

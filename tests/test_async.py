@@ -81,8 +81,10 @@ def test_k1_trains_one_version_stale_on_the_same_prompts(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     "more",
     [["algorithm.max_staleness=1"], ["algorithm.max_staleness=2"],
-     ["algorithm.max_staleness=1", "algorithm.partial_rollouts=true"]],
-    ids=["k1", "k2", "k1-partial"],
+     ["algorithm.max_staleness=1", "algorithm.partial_rollouts=true"],
+     ["algorithm.max_staleness=2", "algorithm.partial_rollouts=true",
+      "algorithm.overlap_batches=true"]],
+    ids=["k1", "k2", "k1-partial", "k2-overlap"],
 )  # fmt: skip
 def test_an_async_run_resumed_after_a_crash_sees_every_prompt_exactly_once(
     tmp_path: Path, more: list[str]
@@ -213,18 +215,49 @@ def test_partial_rollouts_take_the_new_weights_between_an_episode_s_turns(
     assert prompts(tmp_path / "partial") == prompts(tmp_path / "whole")
 
 
-def turn_versions_move_forward(run: Path) -> int:
-    """Check a k = 1 run's logged episodes: each one's turn versions never go back, and
-    lie between the learner's one step before (step s's learner holds version s - 1) and
-    its own; return how many episodes span more than one version."""
+def turn_versions_move_forward(run: Path, k: int = 1) -> int:
+    """Check a run's logged episodes: each one's turn versions never go back, and lie
+    between the learner's k steps before (step s's learner holds version s - 1) and its
+    own; return how many episodes span more than one version."""
     mixed = 0
     for x in trajectories(run):
         versions = [t["policy_version"] for t in x["turns"]]
         assert versions == sorted(versions)
-        assert max(x["step"] - 2, 0) <= versions[0]
+        assert max(x["step"] - 1 - k, 0) <= versions[0]
         assert versions[-1] <= x["step"] - 1
         mixed += len(set(versions)) > 1
     return mixed
+
+
+def test_overlapping_batches_run_side_by_side_within_the_bound(tmp_path: Path) -> None:
+    """k = 2 with partial rollouts, the batches one after the other and overlapping: with
+    overlap the batch queued while the one before it waits on its lookups starts at once."""
+    settings = [*PARTIAL, "steps=6", "eval.every=6", "algorithm.max_staleness=2",
+                "algorithm.partial_rollouts=true"]  # fmt: skip
+    train(load_config(None, settings), tmp_path / "one-by-one", progress=False)
+    overlap = [*settings, "algorithm.overlap_batches=true"]
+    train(load_config(None, overlap), tmp_path / "overlap", progress=False)
+    assert all("rollout/batches_at_once" not in r for r in rows(tmp_path / "one-by-one"))
+    steps = [r for r in rows(tmp_path / "overlap") if r["step"] >= 2]
+    assert max(r["rollout/batches_at_once"] for r in steps) == 2.0
+    for r in steps:  # every trajectory within the bound, counted by its oldest turn
+        assert sum(r[f"rollout/staleness_{d}"] for d in range(3)) == pytest.approx(1.0)
+        assert r["rollout/policy_lag_max"] <= 2.0
+    assert turn_versions_move_forward(tmp_path / "overlap", k=2) > 0
+    assert prompts(tmp_path / "overlap") == prompts(tmp_path / "one-by-one")
+
+
+def test_overlapping_batches_need_partial_rollouts_and_the_engine_here() -> None:
+    from turnrl.trainer.config import inert_settings
+
+    with pytest.raises(ConfigError, match="partial_rollouts"):
+        load_config(None, ["algorithm.max_staleness=2", "algorithm.overlap_batches=true"])
+    on = ["algorithm.max_staleness=2", "algorithm.partial_rollouts=true",
+          "algorithm.overlap_batches=true"]  # fmt: skip
+    with pytest.raises(ConfigError, match="rollout workers"):
+        load_config(None, [*on, "cluster.rollout_workers=1"])
+    k1 = load_config(None, [*on, "algorithm.max_staleness=1"])
+    assert any("overlap_batches" in m and "max_staleness >= 2" in m for m in inert_settings(k1))
 
 
 def test_partial_rollouts_in_a_synchronous_run_are_flagged_as_inert() -> None:

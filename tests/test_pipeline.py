@@ -5,6 +5,7 @@ samples. The real loop with ``algorithm.max_staleness`` is tested in tests/test_
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 import time
@@ -36,6 +37,10 @@ class Script:
     faults: list[str] = field(default_factory=list)
     """What must never happen (a sync while a rollout runs, two rollouts at once)."""
     rolling: int = 0
+    most: int = 0
+    """The most overlapping rollouts (``rollout_program``) that ran at once."""
+    fail_at: tuple[int, ...] = ()
+    """The steps whose overlapping rollouts raise."""
 
     def trainer(self, steps: int) -> Any:
         config = SimpleNamespace(
@@ -47,7 +52,7 @@ class Script:
         with torch.no_grad():
             model.weight.fill_(0.0)
         return SimpleNamespace(
-            config=config, backend=SimpleNamespace(policy_version=0),
+            config=config, backend=SimpleNamespace(policy_version=0, run=asyncio.run),
             learner=SimpleNamespace(model=model), workers=None,
         )  # fmt: skip
 
@@ -58,6 +63,17 @@ class Script:
         self.sampled_by[step] = t.backend.policy_version
         time.sleep(self.rollout_s)
         self.rolling -= 1
+        return Collected([], [], {}, self.rollout_s)
+
+    async def rollout_program(self, t: Any, step: int) -> Collected:
+        """An overlapping batch (``algorithm.overlap_batches``): others may run beside it."""
+        self.rolling += 1
+        self.most = max(self.most, self.rolling)
+        self.sampled_by[step] = t.backend.policy_version
+        await asyncio.sleep(self.rollout_s)
+        self.rolling -= 1
+        if step in self.fail_at:
+            raise RuntimeError(f"the rollout of batch {step} failed")
         return Collected([], [], {}, self.rollout_s)
 
     def update_phase(self, t: Any, step: int, c: Collected, version: int, out: Any) -> Any:
@@ -84,7 +100,7 @@ class Script:
 def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
     def make(rollout_s: float, update_s: float) -> Script:
         script = Script(rollout_s, update_s)
-        for name in ("rollout_phase", "update_phase", "sync_engines"):
+        for name in ("rollout_phase", "rollout_program", "update_phase", "sync_engines"):
             monkeypatch.setattr(pipeline, name, getattr(script, name))
         return script
 
@@ -183,3 +199,44 @@ def test_the_sync_before_an_evaluation_is_timed_in_the_step_s_row(scripted: Any)
         assert script.syncs[-1] == (2, 2.0, "MainThread")
     finally:
         ahead.close()
+
+
+def test_overlapping_batches_run_together_and_every_batch_once(scripted: Any) -> None:
+    """``overlap_batches``: each batch queued starts at once, beside the one running (the
+    engine's mid-batch hook, absent here, would keep its weights fresh)."""
+    script = scripted(rollout_s=0.2, update_s=0.0)
+    t = script.trainer(steps=6)
+    ahead = pipeline.Ahead(2, partial=True, overlap=True)
+    try:
+        rows = [ahead.step(t, step, io.StringIO()) for step in range(6)]
+    finally:
+        ahead.close()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert sorted(script.sampled_by) == list(range(6))  # every batch once, none lost
+    assert script.most == 2  # batches 1 and 2 were queued together and ran together
+    assert script.rolling == 0
+    assert not script.faults
+
+
+def test_a_failed_overlapping_batch_stops_the_step_that_waits_for_it(scripted: Any) -> None:
+    script = scripted(rollout_s=0.1, update_s=0.0)
+    script.fail_at = (2,)
+    t = script.trainer(steps=6)
+    ahead = pipeline.Ahead(2, partial=True, overlap=True)
+
+    def steps() -> None:
+        for step in range(6):
+            ahead.step(t, step, io.StringIO())
+
+    try:
+        with pytest.raises(RuntimeError, match="batch 2 failed"):
+            steps()
+    finally:
+        ahead.close()
+    assert {0, 1, 2} <= set(script.sampled_by) <= {0, 1, 2, 3}  # 3, if started, ...
+    assert script.rolling == 0  # ... was let finish
+
+
+def test_overlapping_batches_need_partial_rollouts() -> None:
+    with pytest.raises(ValueError, match="partial"):
+        pipeline.Ahead(2, overlap=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -65,10 +66,12 @@ def test_every_exported_estimator_and_loss_runs_under_some_configuration(tmp_pat
     for i, options in enumerate(CONFIGS):
         config = load_config("quickstart", [*SMALL_RUN, "steps=1", *options])
         sys.setprofile(profile)
+        threading.setprofile(profile)  # the rollout's program runs on the engine's helper thread
         try:
             train(config, tmp_path / str(i), progress=False)
         finally:
             sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
     unreached = sorted(name for name, code in functions.items() if code not in ran)
     assert unreached == []
     assert set(HELPERS) <= set(algorithms.__all__)  # the exemptions name real exports

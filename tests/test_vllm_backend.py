@@ -419,6 +419,25 @@ def test_partial_rollouts_sync_the_engine_in_process_between_turns(tmp_path: Pat
         assert versions == sorted(versions)
 
 
+def test_overlapping_batches_share_the_vllm_engine(tmp_path: Path) -> None:
+    """max_staleness 2 with partial rollouts and overlapping batches on vLLM: the two
+    batches queued at the first step run together in one engine, each turn on one
+    version, every episode within the bound."""
+    from test_async import PARTIAL, turn_versions_move_forward
+    from turnrl.trainer.config import load_config
+    from turnrl.trainer.loop import train
+
+    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+                "algorithm.max_staleness=2", "algorithm.partial_rollouts=true",
+                "algorithm.overlap_batches=true"]  # fmt: skip
+    train(load_config(None, settings), tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("rollout/batches_at_once", 0.0) for r in rows) == 2.0
+    for r in rows[2:]:
+        assert r["rollout/policy_lag_max"] <= 2.0
+    turn_versions_move_forward(tmp_path, k=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path) -> None:

@@ -456,6 +456,13 @@ class AlgorithmConfig:
     runs that are not reproducible bit for bit (when a sync lands depends on timing).
     Off: an episode finishes on the weights its batch started with. Rollout workers are
     offered the weights after each update and take them the same way."""
+    overlap_batches: bool = False
+    """With ``partial_rollouts`` and ``max_staleness`` >= 2: the batches collected ahead
+    run on the engine at the same time, each starting as soon as the bound lets it, instead
+    of one after the other; a batch's slowest episodes then no longer hold up the next
+    batch's start (the engine fills its free slots with the next batch's episodes). The
+    engine is never idle between batches, so it takes new weights between turns only
+    (hence ``partial_rollouts``). The engine in this process only, not rollout workers."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -475,6 +482,12 @@ class AlgorithmConfig:
                 (self.epochs >= 1, "algorithm.epochs must be >= 1"),
                 (self.entropy_coef >= 0.0, "algorithm.entropy_coef must be >= 0"),
                 (0 <= self.max_staleness <= 8, "algorithm.max_staleness must be in 0..8"),
+                (
+                    self.partial_rollouts or not self.overlap_batches,
+                    "algorithm.overlap_batches needs algorithm.partial_rollouts = true: with "
+                    "batches overlapping the engine is never idle, so it takes new weights "
+                    "between turns",
+                ),
                 (
                     not (self.policy_loss == "gspo" and self.clip.dual),
                     "algorithm.clip.dual applies to the ppo policy loss only",
@@ -718,6 +731,12 @@ class Config:
                 (self.steps >= 0, "steps must be >= 0"),
                 (self.save_every >= 1, "save_every must be >= 1"),
                 (self.max_minutes >= 0.0, "max_minutes must be >= 0"),
+                (
+                    not (self.algorithm.overlap_batches and self.cluster.rollout_workers),
+                    "algorithm.overlap_batches runs the batches on this process's engine; "
+                    "rollout workers (cluster.rollout_workers = "
+                    f"{self.cluster.rollout_workers}) collect one batch at a time",
+                ),
                 (
                     penalty <= longest,
                     f"algorithm.overlong.penalty_tokens ({penalty}) must be <= "
@@ -969,6 +988,7 @@ def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
         ("filter.max_rounds", a.filter.dynamic_sampling, "filter.dynamic_sampling = true"),
         ("clip.dual", a.policy_loss == "ppo", "policy_loss = 'ppo'"),
         ("partial_rollouts", a.max_staleness > 0, "max_staleness >= 1"),
+        ("overlap_batches", a.max_staleness > 1, "max_staleness >= 2"),
     ]  # fmt: skip
 
 

@@ -35,6 +35,16 @@ Which weights sample a batch: the newest the learner has when the batch starts.
   and updates take: a run with k >= 2 is not reproducible bit for bit, and every turn
   records its version, so its metrics say what happened (``rollout/staleness_<d>``).
 
+Overlapping batches (``algorithm.overlap_batches``, with partial rollouts and k >= 2): the
+batches collected ahead run at the same time instead of one after the other. Each starts as
+soon as it is queued, in one program of the engine's event loop (``_feed``), so its
+episodes fill the engine beside the slowest episodes of the batch before it. The engine is
+then never idle between batches: it takes every new weights between turns (the hook above),
+and a batch's first turns wait for the newest published weights, as a batch's first turns
+do when batches run one after the other. The bound holds as before: a batch is queued only
+once the learner's version is at least its step minus k. In process only (rollout workers
+collect one batch at a time).
+
 A deeper pipeline helps where rollout and update times vary from step to step (a slow
 batch is absorbed by the batches collected ahead); where each is steady, k = 1 already
 hides the shorter of the two.
@@ -47,8 +57,10 @@ the batches collected ahead and lost are collected again, none skipped, none rep
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import copy
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -63,6 +75,7 @@ from turnrl.trainer.step import (
     Row,
     Trainer,
     rollout_phase,
+    rollout_program,
     sync_engines,
     train_step,
     update_phase,
@@ -72,6 +85,9 @@ AHEAD_DEADLINE_S = 3600.0
 """How long the loop waits for a batch collected ahead when episodes have no time limit
 (``rollout.episode_timeout_s`` = 0); otherwise the episodes' limit per sampling round, plus
 ten minutes."""
+
+ORDER_POLL_S = 0.01
+"""How often the program that runs overlapping batches looks for a newly queued one."""
 
 
 class RolloutAheadError(TurnrlError):
@@ -111,13 +127,20 @@ class Ahead:
     """The rollouts of the next ``depth`` steps in a background thread, in step order,
     while this step updates."""
 
-    def __init__(self, depth: int, *, partial: bool = False) -> None:
+    def __init__(self, depth: int, *, partial: bool = False, overlap: bool = False) -> None:
         """``partial``: the engine takes new weights mid-batch, between turns
-        (``take_weights_between_turns`` hands it the hook)."""
+        (``take_weights_between_turns`` hands it the hook); ``overlap`` (with ``partial``):
+        the batches queued run at the same time on the engine."""
         if depth < 1:
             raise ValueError(f"a pipeline is at least one step deep, not {depth}")
+        if overlap and not partial:
+            raise ValueError("overlapping batches take new weights between turns: partial")
         self.depth = depth
         self.partial = partial
+        self.overlap = overlap
+        self._orders: queue.SimpleQueue[tuple[int, concurrent.futures.Future[Collected]]]
+        self._orders = queue.SimpleQueue()
+        """Overlapping batches queued for ``_feed`` to start: (step, its future)."""
         self._hooked: Any = None
         """The engine given the mid-batch hook, to take it back on ``close``."""
         self._mid_batch_syncs = 0
@@ -171,6 +194,7 @@ class Ahead:
         sync's metrics (the step's row adds them to its own)."""
         for ahead in list(self._queue):
             self._wait(t, ahead, keep=True)
+        self._pool.submit(lambda: None).result(timeout=AHEAD_DEADLINE_S)  # its program ended
         return self._bring_engine(t)
 
     def close(self) -> None:
@@ -232,24 +256,78 @@ class Ahead:
         return self._rollout(t, step)  # the first step (or the first after a resume)
 
     def _rollout(self, t: Trainer, step: int) -> Collected:
-        """``rollout_phase``, with the mid-batch syncs it saw in its row (partial rollouts,
-        the engine in this process: rollout workers take their offers on their own)."""
-        syncs, sync_s = self._mid_batch_syncs, self._mid_batch_sync_s
-        collected = rollout_phase(t, step)
+        """``rollout_phase``, with the mid-batch syncs it saw in its row."""
+        syncs = self._mid_batch_syncs, self._mid_batch_sync_s
+        return self._with_syncs(t, rollout_phase(t, step), syncs)
+
+    def _with_syncs(self, t: Trainer, collected: Collected, before: tuple[int, float]) -> Collected:
+        """``collected`` with the mid-batch syncs since the counts ``before`` in its row
+        (partial rollouts, the engine in this process: rollout workers take their offers on
+        their own). With overlapping batches a sync counts in every batch it fell in."""
         if self.partial and t.workers is None:
-            collected.row["rollout/mid_batch_syncs"] = float(self._mid_batch_syncs - syncs)
-            collected.row["perf/mid_batch_sync_s"] = self._mid_batch_sync_s - sync_s
+            collected.row["rollout/mid_batch_syncs"] = float(self._mid_batch_syncs - before[0])
+            collected.row["perf/mid_batch_sync_s"] = self._mid_batch_sync_s - before[1]
         return collected
 
     def _queue_batch(self, t: Trainer, step: int) -> Row:
         """Queue the rollout of ``step``. An idle engine takes the learner's weights now
         (the sync's metrics); a busy one takes the newest published ones before it starts
-        this batch (their metrics go in this batch's row)."""
+        this batch (their metrics go in this batch's row). Overlapping batches: the batch
+        starts at once, beside those running (``_feed``), the engine taking the published
+        weights between turns."""
+        if self.overlap:
+            future: concurrent.futures.Future[Collected] = concurrent.futures.Future()
+            self._orders.put((step, future))
+            self._queue[step] = future
+            self._pool.submit(self._serve_orders, t)  # finds it, or one before it did
+            return {}
         synced: Row = {}
         if all(f.done() for f in self._queue.values()):  # nothing runs: sync it here
             synced = self._bring_engine(t)
         self._queue[step] = self._pool.submit(self._collect, t, step)
         return synced
+
+    def _serve_orders(self, t: Trainer) -> None:
+        """In the background thread: run the queued batches on the engine, together, until
+        none is left (``_feed``)."""
+        if not self._orders.empty():
+            t.backend.run(self._feed(t))
+
+    async def _feed(self, t: Trainer) -> None:
+        """Start every queued batch as it comes, as a task of this event loop, and settle
+        its future when it ends (``rollout/batches_at_once``: the most batches that ran
+        together while it ran); return when no batch runs and none waits."""
+        running: dict[asyncio.Task[Collected], concurrent.futures.Future[Collected]] = {}
+        at_once: dict[asyncio.Task[Collected], int] = {}
+        try:
+            while True:
+                while not self._orders.empty():
+                    step, future = self._orders.get()
+                    if future.set_running_or_notify_cancel():  # else dropped by ``close``
+                        running[asyncio.create_task(self._overlapped(t, step))] = future
+                        at_once = {x: max(at_once.get(x, 0), len(running)) for x in running}
+                if not running:
+                    return
+                done, _ = await asyncio.wait(
+                    running, timeout=ORDER_POLL_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    future, most = running.pop(task), at_once.pop(task)
+                    if task.exception() is not None:
+                        future.set_exception(task.exception())
+                        continue
+                    collected = task.result()
+                    collected.row["rollout/batches_at_once"] = float(most)
+                    future.set_result(collected)
+        except BaseException as exc:  # the loop's waits must not outlive this program
+            for future in running.values():
+                future.set_exception(RolloutAheadError(f"the overlapping rollouts ended: {exc!r}"))
+            raise
+
+    async def _overlapped(self, t: Trainer, step: int) -> Collected:
+        """One overlapping batch: ``rollout_program`` with its mid-batch syncs."""
+        syncs = self._mid_batch_syncs, self._mid_batch_sync_s
+        return self._with_syncs(t, await rollout_program(t, step), syncs)
 
     def _collect(self, t: Trainer, step: int) -> Collected:
         """In the background thread: sync the engine from the published weights if they
@@ -312,7 +390,8 @@ def stepper(t: Trainer) -> Synchronous | Ahead:
     algo = t.config.algorithm
     if algo.max_staleness == 0:
         return Synchronous()
-    ahead = Ahead(algo.max_staleness, partial=algo.partial_rollouts)
+    overlap = algo.overlap_batches and algo.max_staleness >= 2
+    ahead = Ahead(algo.max_staleness, partial=algo.partial_rollouts, overlap=overlap)
     if algo.partial_rollouts:
         ahead.take_weights_between_turns(t)
     return ahead

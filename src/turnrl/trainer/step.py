@@ -11,6 +11,7 @@ trajectories (credit.py), the loop with its evaluations, checkpoints and alarms 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -166,9 +167,21 @@ class Collected:
 
 
 def rollout_phase(t: Trainer, step: int) -> Collected:
-    """Step ``step``'s episodes (DAPO: until groups are informative), checked for failures."""
+    """Step ``step``'s episodes (DAPO: until groups are informative), checked for failures:
+    ``rollout_program`` run on the engine (or, with rollout workers, on an event loop of
+    its own: the workers' calls block it, with nothing else to run)."""
     t0 = time.perf_counter()
-    groups, sampled, row = collect(t, step)
+    program = rollout_program(t, step)
+    collected = asyncio.run(program) if t.workers is not None else t.backend.run(program)
+    collected.rollout_s = time.perf_counter() - t0  # the engine's start-up included
+    return collected
+
+
+async def rollout_program(t: Trainer, step: int) -> Collected:
+    """The rollout phase as a program of the engine's event loop, so that the batches of
+    several steps can share one engine (``algorithm.overlap_batches``: pipeline.py)."""
+    t0 = time.perf_counter()
+    groups, sampled, row = await collect(t, step)
     check_failures([x for g in sampled for x in g], t.config.rollout.max_error_frac,
                    f"step {step + 1}")  # fmt: skip
     return Collected(groups, sampled, row, time.perf_counter() - t0)
@@ -238,7 +251,7 @@ def token_lag(groups: Groups, learner_version: int) -> float:
     return sum(lag * n for lag, n in lags) / max(sum(n for _, n in lags), 1)
 
 
-def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
+async def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
     """This step's groups to train on, every group sampled, and selection metrics.
 
     ``prompts_per_step`` groups; with DAPO dynamic sampling, only groups whose rewards
@@ -259,7 +272,10 @@ def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
         group_spec = GroupSpec(
             r.group_size, t.limits, t.sampling, seed=seed, policy_version=t.backend.policy_version
         )
-        new = run_groups(t, tasks, group_spec)
+        if t.workers is not None:
+            new = t.workers.collect(tasks, group_spec)
+        else:
+            new = await collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, group_spec)
         sampled.extend(new)
         rounds += 1
         if algo.filter.dynamic_sampling:
