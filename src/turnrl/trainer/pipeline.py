@@ -124,8 +124,8 @@ class Published:
 
 
 class Ahead:
-    """The rollouts of the next ``depth`` steps in a background thread, in step order,
-    while this step updates."""
+    """The rollouts of the next ``depth`` steps in a background thread, in step order (or
+    all at once, ``overlap``), while this step updates."""
 
     def __init__(self, depth: int, *, partial: bool = False, overlap: bool = False) -> None:
         """``partial``: the engine takes new weights mid-batch, between turns
@@ -313,10 +313,11 @@ class Ahead:
                 )
                 for task in done:
                     future, most = running.pop(task), at_once.pop(task)
-                    if task.exception() is not None:
-                        future.set_exception(task.exception())
+                    try:
+                        collected = task.result()
+                    except BaseException as exc:  # the batch's own error, for its step
+                        future.set_exception(exc)
                         continue
-                    collected = task.result()
                     collected.row["rollout/batches_at_once"] = float(most)
                     future.set_result(collected)
         except BaseException as exc:  # the loop's waits must not outlive this program
