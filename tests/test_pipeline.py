@@ -240,3 +240,17 @@ def test_a_failed_overlapping_batch_stops_the_step_that_waits_for_it(scripted: A
 def test_overlapping_batches_need_partial_rollouts() -> None:
     with pytest.raises(ValueError, match="partial"):
         pipeline.Ahead(2, overlap=True)
+
+
+def test_an_evaluation_that_cannot_get_the_engine_back_names_the_rollout_thread(
+    scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = scripted(rollout_s=0.0, update_s=0.0)
+    monkeypatch.setattr(pipeline, "HAND_BACK_S", 0.1)
+    ahead = pipeline.Ahead(2, partial=True, overlap=True)
+    try:
+        ahead._pool.submit(time.sleep, 1.0)  # the engine's program, not ending
+        with pytest.raises(pipeline.RolloutAheadError, match="hand the engine back"):
+            ahead.before_eval(script.trainer(steps=2))
+    finally:
+        ahead.close()

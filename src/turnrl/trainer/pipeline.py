@@ -86,6 +86,10 @@ AHEAD_DEADLINE_S = 3600.0
 (``rollout.episode_timeout_s`` = 0); otherwise the episodes' limit per sampling round, plus
 ten minutes."""
 
+HAND_BACK_S = 600.0
+"""How long an evaluation waits for the rollout thread to leave the engine once its batches
+are in (the engine's end of a run: a vLLM engine put to sleep)."""
+
 ORDER_POLL_S = 0.01
 """How often the program that runs overlapping batches looks for a newly queued one."""
 
@@ -194,7 +198,13 @@ class Ahead:
         sync's metrics (the step's row adds them to its own)."""
         for ahead in list(self._queue):
             self._wait(t, ahead, keep=True)
-        self._pool.submit(lambda: None).result(timeout=AHEAD_DEADLINE_S)  # its program ended
+        try:  # the background thread is done with the engine (overlapping batches' program)
+            self._pool.submit(lambda: None).result(timeout=HAND_BACK_S)
+        except concurrent.futures.TimeoutError as exc:
+            raise RolloutAheadError(
+                f"the rollout thread did not hand the engine back within {HAND_BACK_S:.0f} s "
+                "of its last batch"
+            ) from exc
         return self._bring_engine(t)
 
     def close(self) -> None:
