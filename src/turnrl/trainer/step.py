@@ -15,9 +15,9 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ from turnrl.trainer.learner import Learner
 from turnrl.types import Sample, Task, Trajectory
 
 Row = dict[str, Any]
+T = TypeVar("T")
 Groups = list[list[Trajectory]]
 
 EXTRA_TASKS = 10**9
@@ -111,11 +112,22 @@ class Trainer:
 
 
 def run_groups(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+    """``tasks``' groups of episodes (``groups_of``), run to completion."""
+    return run_program(t, groups_of(t, tasks, spec))
+
+
+async def groups_of(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
     """``tasks``' groups of episodes: on the rollout workers if the run has any, else on
-    the trainer's engine."""
+    the trainer's engine (within its ``run``)."""
     if t.workers is not None:
         return t.workers.collect(tasks, spec)
-    return t.backend.run(collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, spec))
+    return await collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, spec)
+
+
+def run_program(t: Trainer, program: Coroutine[Any, Any, T]) -> T:
+    """Run ``program`` on the trainer's engine, or, with rollout workers, on an event loop
+    of its own (the workers' calls block it, with nothing else to run)."""
+    return asyncio.run(program) if t.workers is not None else t.backend.run(program)
 
 
 def sync_engines(t: Trainer, version: int | None = None, model: Any = None) -> Row:
@@ -168,11 +180,9 @@ class Collected:
 
 def rollout_phase(t: Trainer, step: int) -> Collected:
     """Step ``step``'s episodes (DAPO: until groups are informative), checked for failures:
-    ``rollout_program`` run on the engine (or, with rollout workers, on an event loop of
-    its own: the workers' calls block it, with nothing else to run)."""
+    ``rollout_program``, run (``run_program``)."""
     t0 = time.perf_counter()
-    program = rollout_program(t, step)
-    collected = asyncio.run(program) if t.workers is not None else t.backend.run(program)
+    collected = run_program(t, rollout_program(t, step))
     collected.rollout_s = time.perf_counter() - t0  # the engine's start-up included
     return collected
 
@@ -272,10 +282,7 @@ async def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
         group_spec = GroupSpec(
             r.group_size, t.limits, t.sampling, seed=seed, policy_version=t.backend.policy_version
         )
-        if t.workers is not None:
-            new = t.workers.collect(tasks, group_spec)
-        else:
-            new = await collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, group_spec)
+        new = await groups_of(t, tasks, group_spec)
         sampled.extend(new)
         rounds += 1
         if algo.filter.dynamic_sampling:
