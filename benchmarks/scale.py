@@ -33,8 +33,10 @@ seconds (2 s) for one task in each batch of 8 (one group of 8 episodes in 64) an
 time for the others: a batch lasts as long as its slow group's lookups, while the engine
 has little else to do. The same run synchronously, with k = 2 and partial rollouts, and
 with k = 2, partial rollouts and overlapping batches; one learner epoch (the update is
-short: the rollout is the slow side). Reported: the median step, its ratio to the
-synchronous step, the most batches the engine ran at once, the sampled tokens' mean lag.
+short: the rollout is the slow side). The three again with the episodes on one Ray rollout
+worker (``cluster.rollout_workers = 1``, one thread: the learner has the other core).
+Reported: the median step, its ratio to the synchronous step of its layout, the most
+batches the driver ran at once, the sampled tokens' mean lag.
 
 Section ``workers``: rollout throughput with the episodes in process (1 and 2 torch
 threads) and on 1 and 2 Ray rollout workers (``cluster.rollout_workers``, one thread
@@ -261,22 +263,27 @@ class TailLookup(SecretLookup):
         return SecretLookup._tools(dataclasses.replace(self, latency_s=latency), task)
 
 
-TAIL_RUNS = (("k0", 0, False), ("k2p", 2, False), ("k2p_overlap", 2, True))
-"""(key, max_staleness, overlap_batches) of the tail section's runs (partial rollouts on
-with k >= 1)."""
+TAIL_RUNS = (
+    ("k0", 0, False, 0), ("k2p", 2, False, 0), ("k2p_overlap", 2, True, 0),
+    ("k0_w1", 0, False, 1), ("k2p_w1", 2, False, 1), ("k2p_overlap_w1", 2, True, 1),
+)  # fmt: skip
+"""(key, max_staleness, overlap_batches, rollout workers) of the tail section's runs
+(partial rollouts on with k >= 1). Each ratio is to the synchronous run of its layout."""
 
 
 def tail_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same run with a slow group in every batch: synchronously, with k = 2 and
-    partial rollouts, and with overlapping batches too; median step seconds."""
+    partial rollouts, and with overlapping batches too, in process and on a rollout
+    worker; median step seconds."""
+    from turnrl.api import train
     from turnrl.envs import make_env_spec
     from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import train
 
     out: dict[str, Any] = {"slow_s": args.tail_latency, "steps": args.async_steps}
     with tempfile.TemporaryDirectory(prefix="scale-tail-") as tmp:
-        for key, k, overlap in TAIL_RUNS:
+        for key, k, overlap, workers in TAIL_RUNS:
             settings = [
+                f"cluster.rollout_workers={workers}",
                 *ASYNC_RUN, "algorithm.epochs=1", f"threads={args.async_threads}",
                 f"steps={args.async_steps}", f"algorithm.max_staleness={k}",
                 f"algorithm.partial_rollouts={str(k > 0).lower()}",
@@ -290,7 +297,7 @@ def tail_section(args: argparse.Namespace) -> dict[str, Any]:
                 **dataclasses.asdict(steady), per_step=config.rollout.prompts_per_step,
                 slow_s=args.tail_latency,
             )  # fmt: skip
-            rows = train(config, Path(tmp) / key, progress=False, env=env).rows
+            rows = train(config, out=Path(tmp) / key, progress=False, env=env).rows
             stepped = [r for r in rows if "perf/step_s" in r]
             timed = stepped[2:] or stepped
             got: dict[str, Any] = {
@@ -305,14 +312,16 @@ def tail_section(args: argparse.Namespace) -> dict[str, Any]:
             }
             out[key] = got
             print(f"tail, {key}", json.dumps(got), flush=True)
-    for key, _, _ in TAIL_RUNS[1:]:
-        out[key]["ratio"] = out[key]["step_s"] / out["k0"]["step_s"]
+    for key, k, _, workers in TAIL_RUNS:
+        if k:
+            out[key]["ratio"] = out[key]["step_s"] / out["k0" + "_w1" * workers]["step_s"]
     return out
 
 
 def tail_lines(t: dict[str, Any]) -> list[str]:
     """The tail section's table."""
     names = {"k0": "0", "k2p": "2, partial", "k2p_overlap": "2, partial, overlapping batches"}
+    names.update({f"{key}_w1": f"{name}; 1 rollout worker" for key, name in names.items()})
     return [
         "",
         f"## A slow tail ({t['slow_s'] * 1000:.0f} ms lookups for one group in each batch, "
@@ -326,7 +335,7 @@ def tail_lines(t: dict[str, Any]) -> list[str]:
             + (f"{t[key]['ratio']:.2f}x" if "ratio" in t[key] else "-")
             + f" | {t[key]['rollout_s']:.2f} | {t[key]['tool_calls_mean']:.2f} | "
             f"{t[key]['batches_at_once']:.0f} | {t[key]['token_lag']:.2f} |"
-            for key, _, _ in TAIL_RUNS
+            for key, *_ in TAIL_RUNS
         ),
         "",
         "Rollout s is each batch's own wall time; with overlapping batches two of them run "

@@ -247,17 +247,17 @@ def test_overlapping_batches_run_side_by_side_within_the_bound(tmp_path: Path) -
     assert prompts(tmp_path / "overlap") == prompts(tmp_path / "one-by-one")
 
 
-def test_overlapping_batches_need_partial_rollouts_and_the_engine_here() -> None:
+def test_overlapping_batches_need_partial_rollouts_and_two_batches_ahead() -> None:
     from turnrl.trainer.config import inert_settings
 
     with pytest.raises(ConfigError, match="partial_rollouts"):
         load_config(None, ["algorithm.max_staleness=2", "algorithm.overlap_batches=true"])
     on = ["algorithm.max_staleness=2", "algorithm.partial_rollouts=true",
           "algorithm.overlap_batches=true"]  # fmt: skip
-    with pytest.raises(ConfigError, match="rollout workers"):
-        load_config(None, [*on, "cluster.rollout_workers=1"])
+    assert load_config(None, [*on, "cluster.rollout_workers=2"]).algorithm.overlapping
     k1 = load_config(None, [*on, "algorithm.max_staleness=1"])
     assert any("overlap_batches" in m and "max_staleness >= 2" in m for m in inert_settings(k1))
+    assert not k1.algorithm.overlapping
 
 
 def test_partial_rollouts_in_a_synchronous_run_are_flagged_as_inert() -> None:

@@ -295,11 +295,13 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
         assert 0.0 <= a[key]["token_lag"] <= int(key[1])
         assert 0.0 <= a[key]["across_versions"] <= 1.0
     tail = data["tail"]
-    assert tail["k0"]["batches_at_once"] == tail["k2p"]["batches_at_once"] == 1.0
-    assert tail["k2p_overlap"]["batches_at_once"] >= 1.0
-    for key in ("k2p", "k2p_overlap"):
-        assert tail[key]["ratio"] == pytest.approx(tail[key]["step_s"] / tail["k0"]["step_s"])
-        assert 0.0 <= tail[key]["token_lag"] <= 2.0
+    for layout in ("", "_w1"):  # in process, and on one rollout worker
+        sync = tail["k0" + layout]
+        assert sync["batches_at_once"] == tail["k2p" + layout]["batches_at_once"] == 1.0
+        assert tail["k2p_overlap" + layout]["batches_at_once"] >= 1.0
+        for key in ("k2p" + layout, "k2p_overlap" + layout):
+            assert tail[key]["ratio"] == pytest.approx(tail[key]["step_s"] / sync["step_s"])
+            assert 0.0 <= tail[key]["token_lag"] <= 2.0
     w = data["workers"]
     layouts = ["in process, 1 thread", "in process, 2 threads", "1 worker", "2 workers"]
     assert all(w[k]["rollout_s"] > 0 and w[k]["episodes_per_s"] > 0 for k in layouts)

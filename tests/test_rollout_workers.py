@@ -8,6 +8,7 @@ the same prompts on workers; `turnrl train` joins a cluster started with `ray st
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from turnrl.distributed.rollout_workers import (
     RolloutWorkerError,
     chosen_weight_sync,
     contiguous_shards,
+    worker_calls_at_once,
     worker_resources,
 )
 from turnrl.envs import make_env_spec
@@ -171,8 +174,8 @@ def test_two_workers_agree_with_the_in_process_run(runs: dict[str, Path]) -> Non
 class Tripwire:
     """The small run's environment family, whose environments do something bad when a
     file exists: ``kill`` (the first to find it, claimed by renaming, kills its own process:
-    one worker dies mid-step, its other episodes in flight) or ``hang`` (every reset
-    sleeps a minute)."""
+    one worker dies mid-step, its other episodes in flight), ``hang`` (every reset
+    sleeps a minute) or ``slow`` (every reset waits half a second, letting others run)."""
 
     def __init__(self, directory: Path, settings: Config | None = None) -> None:
         env = (settings or config(0)).env  # the small run's unless ``settings`` are given
@@ -211,6 +214,8 @@ class TripwireEnv:
             os.kill(os.getpid(), signal.SIGKILL)
         if os.path.exists(os.path.join(self.directory, "hang")):
             time.sleep(60)
+        if os.path.exists(os.path.join(self.directory, "slow")):
+            await asyncio.sleep(0.5)
         return await self.env.reset(task, seed)
 
 
@@ -318,7 +323,7 @@ def sampled_as_in_process(
     sampling, limits = episode_settings(c, tokenizer)
     spec = GroupSpec(2, limits, sampling, seed=3, policy_version=version)
     tasks = [family.task(i) for i in range(4)]
-    got = workers.collect(tasks, spec)
+    got = asyncio.run(workers.collect(tasks, spec))
     local = RolloutWorker(c, family, policy, tokenizer, version, threads=1)
     expected = local.collect(tasks, spec)
 
@@ -432,6 +437,99 @@ def test_a_worker_replaced_mid_batch_of_an_asynchronous_run_holds_the_synced_wei
         assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
     finally:
         workers.close()
+
+
+OVERLAP = ["algorithm.max_staleness=2", "algorithm.partial_rollouts=true",
+           "algorithm.overlap_batches=true"]  # fmt: skip
+
+
+def test_batches_collected_at_once_run_together_on_a_worker_replaced_once_if_it_dies(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path, tmp_path: Path,
+    by_value: None,
+) -> None:  # fmt: skip
+    """Overlapping batches: two batches collected at once on one worker run together on
+    its engine (the actor takes both calls), and give the episodes each gives alone in
+    this process. The worker killed while it holds both is replaced once, not once per
+    batch, and both batches are collected again with the same episodes."""
+    c = resolved(config(1, *OVERLAP))
+    family = Tripwire(tmp_path, c)
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 1, threads=1
+    )
+    sampling, limits = episode_settings(c, tokenizer)
+    batches = [
+        ([family.task(i) for i in range(4 * b, 4 * b + 4)], GroupSpec(2, limits, sampling, seed=b))
+        for b in range(2)
+    ]
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(*(workers.collect(*batch) for batch in batches)))
+
+    (tmp_path / "slow").touch()  # each batch's episodes wait a while: the other comes
+    try:
+        together = asyncio.run(both())
+        most = workers.actors[0].__ray_call__.remote(lambda w: w.together.most_at_once)
+        assert ray.get(most, timeout=60) == 2
+        (tmp_path / "kill").touch()
+        again = asyncio.run(both())
+        assert (tmp_path / "kill.fired").exists()
+        assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
+    finally:
+        workers.close()
+    local = RolloutWorker(c, family, model, tokenizer, 0, threads=1)
+    alone = [sampled_turns(local.collect(*batch)) for batch in batches]
+    assert [sampled_turns(g) for g in together] == alone
+    assert [sampled_turns(g) for g in again] == alone
+
+
+def test_a_worker_takes_as_many_calls_at_once_as_it_may_sample_batches() -> None:
+    """One batch at a time, one more call with partial rollouts (the offers), and up to
+    max_staleness batches with overlapping batches."""
+    assert worker_calls_at_once(config(1)) == 1
+    assert worker_calls_at_once(config(1, "algorithm.max_staleness=1",
+                                       "algorithm.partial_rollouts=true")) == 2  # fmt: skip
+    assert worker_calls_at_once(config(1, *OVERLAP)) == 3
+    assert worker_calls_at_once(config(1, *OVERLAP, "algorithm.max_staleness=4")) == 5
+    assert worker_calls_at_once(config(1, *OVERLAP, "algorithm.max_staleness=1")) == 2  # inert
+
+
+def test_overlapping_batches_on_workers_stay_within_the_bound_on_the_task_stream(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """k = 2 with partial rollouts and overlapping batches on two workers, episodes of two
+    turns with a 500 ms lookup between them: a batch queued while the one before it waits
+    on its lookups goes out to the workers at once. Every trajectory within the bound,
+    turn versions never go back, the workers took the offers (nothing for the driver's own
+    engine to do), and every step trains on its prompts of the task stream, each sample
+    once."""
+    from test_async import PARTIAL
+
+    overlap_on_workers(tmp_path / "run", [*PARTIAL, "cluster.rollout_workers=2"])
+
+
+def overlap_on_workers(out: Path, settings: list[str]) -> None:
+    """Train ``settings`` with k = 2, partial rollouts and overlapping batches, six steps,
+    into ``out``; check the bound, the turn versions, the offers and the task stream."""
+    from test_async import turn_versions_move_forward
+
+    c = load_config(None, [*settings, "steps=6", "eval.every=6", "log_groups=4", *OVERLAP])
+    train(c, out=out, progress=False)
+    steps = [r for r in rows(out) if r["step"] >= 2]
+    assert max(r["rollout/batches_at_once"] for r in steps) == 2.0
+    for r in steps:
+        assert sum(r[f"rollout/staleness_{d}"] for d in range(3)) == pytest.approx(1.0)
+        assert r["rollout/policy_lag_max"] <= 2.0
+        assert "rollout/mid_batch_syncs" not in r
+    assert all(r["perf/rollout_offer_s"] > 0 for r in steps[:-1])
+    assert turn_versions_move_forward(out, k=2) > 0
+    family = make_env_spec(c.env.name, **c.env.options)
+    per_step, group = c.rollout.prompts_per_step, c.rollout.group_size
+    expected = Counter(
+        (s, family.task((s - 1) * per_step + j).id, i)
+        for s in range(1, c.steps + 1) for j in range(per_step) for i in range(group)
+    )  # fmt: skip
+    logged = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert Counter((x["step"], x["task_id"], x["sample_index"]) for x in logged) == expected
 
 
 def test_workers_take_offered_weights_and_a_replacement_starts_from_them(
@@ -569,12 +667,13 @@ def test_a_worker_on_the_gpu_samples_there_as_the_policy_does_in_process(
             lambda w: str(next(w.backend.model.parameters()).device)
         )
         assert ray.get(where, timeout=60) == "cuda:0"
-        got = [workers.collect(tasks, GroupSpec(2, limits, sampling, seed=3))]
+        got = [asyncio.run(workers.collect(tasks, GroupSpec(2, limits, sampling, seed=3)))]
         with torch.no_grad():  # an update
             for p in policy.parameters():
                 p.add_(0.01 * torch.randn_like(p))
         workers.sync(policy, 1)
-        got.append(workers.collect(tasks, GroupSpec(2, limits, sampling, seed=3, policy_version=1)))
+        spec = GroupSpec(2, limits, sampling, seed=3, policy_version=1)
+        got.append(asyncio.run(workers.collect(tasks, spec)))
     finally:
         workers.close()
     expected = [local.collect(tasks, GroupSpec(2, limits, sampling, seed=3))]
@@ -617,7 +716,7 @@ def test_the_broadcast_reaches_a_worker_on_another_gpu_over_nccl(
         sampling, limits = episode_settings(c, tokenizer)
         spec = GroupSpec(2, limits, sampling, seed=3, policy_version=1)
         tasks = [family.task(i) for i in range(4)]
-        sampled["worker"] = workers.collect(tasks, spec)
+        sampled["worker"] = asyncio.run(workers.collect(tasks, spec))
     finally:
         workers.close()
     local = RolloutWorker(c, family, synced, tokenizer, 1, 1, device="cuda")

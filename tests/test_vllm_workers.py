@@ -117,6 +117,17 @@ def test_partial_rollouts_reach_a_vllm_worker_between_turns(tmp_path: Path) -> N
     partial_on_workers(tmp_path / "run", settings)
 
 
+def test_overlapping_batches_run_together_on_a_vllm_worker(tmp_path: Path) -> None:
+    """k = 2 with overlapping batches on one vLLM worker: two batches at once, within the
+    bound, on the task stream (tests/test_rollout_workers.py has the torch workers' case)."""
+    from test_async import PARTIAL
+    from test_rollout_workers import overlap_on_workers
+
+    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+                "cluster.rollout_workers=1"]  # fmt: skip
+    overlap_on_workers(tmp_path / "run", settings)
+
+
 def test_a_worker_without_the_model_directory_is_refused(tmp_path: Path, tokenizer: Any) -> None:
     """A vLLM worker on a node that does not mount the run directory says so."""
     c = resolved(config(1))

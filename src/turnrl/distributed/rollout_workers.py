@@ -31,6 +31,13 @@ the turns being decoded finish first: backends/turn_sync.py), or before the firs
 its next batch, so the syncs between batches find the workers up to date. Such an actor
 takes two calls at once (the offer arrives while ``collect`` runs).
 
+Overlapping batches (``algorithm.overlap_batches``): the driver sends a batch's shards as
+soon as the batch is queued, so a worker may hold shards of several batches at once (an
+actor then takes up to ``max_staleness`` calls of ``collect`` at once, plus the offers:
+``worker_calls_at_once``). It runs them together on its engine (backends/together.py), the
+next batch's episodes beside the slowest of the one before. A worker that dies holding
+shards of several batches is replaced once, and each batch sends its shard again.
+
 Faults: every call has a deadline, and a worker that misses it stops the run with an error
 that names it. A worker that dies (its process killed, its node lost) is replaced by a new
 actor holding the current weights and version, and its whole shard runs again. The dead
@@ -44,18 +51,21 @@ replacements.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from turnrl.backends.together import Together
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.turn_sync import TurnSync
 from turnrl.backends.vllm_backend import VLLMBackend
@@ -128,6 +138,14 @@ class RolloutWorker:
     ) -> None:
         torch.set_num_threads(threads)
         self.threads = threads
+        self.timeout_s = 2 * config.cluster.worker_timeout_s
+        """How long a call waits for its episodes: past the driver's deadline, which stops
+        the run naming this worker first; this one only frees the actor's thread."""
+        # The engine's own thread: an actor runs its calls on threads of Ray's, and a
+        # thread's torch thread count is its own (pipeline.py's ``Ahead``)
+        engine_thread = concurrent.futures.ThreadPoolExecutor(
+            1, "turnrl-worker-engine", initializer=torch.set_num_threads, initargs=(threads,)
+        )
         self._receiver: Receiver | None = None
         self.env = env
         self.sampling, self.limits = episode_settings(config, tokenizer)
@@ -148,14 +166,19 @@ class RolloutWorker:
         if config.algorithm.partial_rollouts:
             hook = TurnSync(self._offer_is_newer, self._take_offer)
             self.backend.turn_sync = hook  # type: ignore[attr-defined]
+        self.together = Together(self.backend.run, engine_thread)
+        """Runs the calls' programs on the engine, together where they overlap."""
 
     def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
-        """``tasks``' groups of episodes, ``spec.group_size`` each, in task order."""
-        # An actor that takes offers while it samples runs its calls on more than one
-        # thread, and a thread's torch thread count is its own (pipeline.py's ``Ahead``).
-        torch.set_num_threads(self.threads)
-        program = collect_groups(tasks, self.env.make_env, self.backend, self.renderer, spec)
-        return self.backend.run(program)
+        """``tasks``' groups of episodes, ``spec.group_size`` each, in task order. Calls
+        that overlap (overlapping batches: the actor takes several at once) run together on
+        the engine, each call's episodes beside the others' (backends/together.py)."""
+
+        def program() -> Coroutine[Any, Any, Groups]:
+            return collect_groups(tasks, self.env.make_env, self.backend, self.renderer, spec)
+
+        groups, _ = self.together.submit(program).result(timeout=self.timeout_s)
+        return groups
 
     def offer_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Partial rollouts: newer weights, for the engine to take between two turns of the
@@ -268,8 +291,7 @@ class RayRolloutWorkers:
         except BaseException:
             self.close()
             raise
-        # With partial rollouts a worker takes offers of new weights while it samples
-        concurrency = 2 if spec.config.algorithm.partial_rollouts else 1
+        concurrency = worker_calls_at_once(spec.config)
         self._actor_class = self.ray.remote(
             max_restarts=0, max_concurrency=concurrency, **resources
         )(RolloutWorker)
@@ -307,44 +329,56 @@ class RayRolloutWorkers:
             self.close()
             raise
 
-    def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+    async def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
         """``collect_groups`` of ``tasks`` across the workers, one contiguous shard each;
-        a worker that dies is replaced and its shard run again."""
-        shards = contiguous_shards(len(tasks), self.num_workers)
-        pending = {
-            self.actors[w].collect.remote(tasks[lo:hi], spec): (w, lo, hi, 0)
-            for w, (lo, hi) in enumerate(shards)
-            if hi > lo
-        }
+        a worker that dies is replaced and its shard run again. It waits without blocking
+        its event loop: overlapping batches collect several at once, each worker running
+        the shards it holds together."""
+        pending: dict[asyncio.Future[Any], tuple[Any, Any, int, int, int, int]] = {}
+
+        def send(w: int, lo: int, hi: int, tries: int) -> None:
+            actor = self.actors[w]
+            ref = actor.collect.remote(tasks[lo:hi], spec)
+            pending[asyncio.wrap_future(ref.future())] = (ref, actor, w, lo, hi, tries)
+
+        for w, (lo, hi) in enumerate(contiguous_shards(len(tasks), self.num_workers)):
+            if hi > lo:
+                send(w, lo, hi, 0)
         done: dict[int, Groups] = {}
         deadline = time.monotonic() + self.call_timeout_s
-        while pending:
-            left = deadline - time.monotonic()
-            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))
-            if not ready:
-                late = sorted(w for w, *_ in pending.values())
-                raise RolloutWorkerError(
-                    f"rollout worker(s) {_listed(late)} did not return their episodes within "
-                    f"{self.call_timeout_s:.0f} s (a hung environment or engine?)"
+        try:
+            while pending:
+                left = max(deadline - time.monotonic(), 0.0)
+                ready, _ = await asyncio.wait(
+                    pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
-            ref = ready[0]
-            w, lo, hi, tries = pending.pop(ref)
-            try:
-                done[lo] = self.ray.get(ref)
-            except self.ray.exceptions.RayActorError as exc:  # the worker died
-                if tries >= MAX_RESTARTS:
+                if not ready:
+                    late = sorted(w for _, _, w, *_ in pending.values())
                     raise RolloutWorkerError(
-                        f"rollout worker {w} died {tries + 1} times running tasks {lo}..{hi - 1} "
-                        f"of a batch: {exc}"
-                    ) from exc
-                self._replace(w)
-                retry = self.actors[w].collect.remote(tasks[lo:hi], spec)
-                pending[retry] = (w, lo, hi, tries + 1)
-                deadline = time.monotonic() + self.call_timeout_s
-            except self.ray.exceptions.RayTaskError as exc:  # it raised: a bug, not bad luck
-                raise RolloutWorkerError(
-                    f"rollout worker {w} failed running tasks {lo}..{hi - 1}: {exc}"
-                ) from exc
+                        f"rollout worker(s) {_listed(late)} did not return their episodes within "
+                        f"{self.call_timeout_s:.0f} s (a hung environment or engine?)"
+                    )
+                for answered in ready:
+                    ref, actor, w, lo, hi, tries = pending.pop(answered)
+                    try:
+                        done[lo] = self.ray.get(ref)
+                    except self.ray.exceptions.RayActorError as exc:  # the worker died
+                        if tries >= MAX_RESTARTS:
+                            raise RolloutWorkerError(
+                                f"rollout worker {w} died {tries + 1} times running tasks "
+                                f"{lo}..{hi - 1} of a batch: {exc}"
+                            ) from exc
+                        if self.actors[w] is actor:  # else another batch's call replaced it
+                            self._replace(w)
+                        send(w, lo, hi, tries + 1)
+                        deadline = time.monotonic() + self.call_timeout_s
+                    except self.ray.exceptions.RayTaskError as exc:  # it raised: a bug
+                        raise RolloutWorkerError(
+                            f"rollout worker {w} failed running tasks {lo}..{hi - 1}: {exc}"
+                        ) from exc
+        finally:  # after a failure nobody waits for the batch's other shards
+            for waiting in pending:
+                waiting.cancel()
         return [group for lo in sorted(done) for group in done[lo]]
 
     def sync(self, model: Any, version: int) -> dict[str, float]:
@@ -601,6 +635,14 @@ class RayRolloutWorkers:
             return list(self.ray.get(refs))
         except self.ray.exceptions.RayError as exc:
             raise RolloutWorkerError(f"rollout workers: {what} failed: {exc}") from exc
+
+
+def worker_calls_at_once(config: Config) -> int:
+    """How many calls one worker actor takes at once: the batches it samples together (one,
+    or with overlapping batches up to ``algorithm.max_staleness``), and with partial
+    rollouts one more, for the offers of new weights that arrive while it samples."""
+    algo = config.algorithm
+    return (algo.max_staleness if algo.overlapping else 1) + int(algo.partial_rollouts)
 
 
 def worker_resources(device: str, num_workers: int, cluster_gpus: int) -> dict[str, Any]:

@@ -462,7 +462,8 @@ class AlgorithmConfig:
     of one after the other; a batch's slowest episodes then no longer hold up the next
     batch's start (the engine fills its free slots with the next batch's episodes). The
     engine is never idle between batches, so it takes new weights between turns only
-    (hence ``partial_rollouts``). The engine in this process only, not rollout workers."""
+    (hence ``partial_rollouts``). Rollout workers each run the batches' shards they hold
+    together on their engine in the same way."""
     control: Literal["none", "shuffled_rewards"] = "none"
     """A negative control: ``shuffled_rewards`` permutes rewards across the batch."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -474,6 +475,12 @@ class AlgorithmConfig:
     gae: GAEConfig = field(default_factory=GAEConfig)
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether batches overlap: ``overlap_batches`` where there is more than one batch
+        ahead to overlap (``max_staleness`` >= 2)."""
+        return self.overlap_batches and self.max_staleness >= 2
 
     def __post_init__(self) -> None:
         _require(
@@ -731,12 +738,6 @@ class Config:
                 (self.steps >= 0, "steps must be >= 0"),
                 (self.save_every >= 1, "save_every must be >= 1"),
                 (self.max_minutes >= 0.0, "max_minutes must be >= 0"),
-                (
-                    not (self.algorithm.overlap_batches and self.cluster.rollout_workers),
-                    "algorithm.overlap_batches runs the batches on this process's engine; "
-                    "rollout workers (cluster.rollout_workers = "
-                    f"{self.cluster.rollout_workers}) collect one batch at a time",
-                ),
                 (
                     penalty <= longest,
                     f"algorithm.overlong.penalty_tokens ({penalty}) must be <= "

@@ -37,13 +37,14 @@ Which weights sample a batch: the newest the learner has when the batch starts.
 
 Overlapping batches (``algorithm.overlap_batches``, with partial rollouts and k >= 2): the
 batches collected ahead run at the same time instead of one after the other. Each starts as
-soon as it is queued, in one program of the engine's event loop (``_feed``), so its
-episodes fill the engine beside the slowest episodes of the batch before it. The engine is
-then never idle between batches: it takes every new weights between turns (the hook above),
-and a batch's first turns wait for the newest published weights, as a batch's first turns
-do when batches run one after the other. The bound holds as before: a batch is queued only
-once the learner's version is at least its step minus k. In process only (rollout workers
-collect one batch at a time).
+soon as it is queued, as a task of one program (backends/together.py). In this process the
+program runs on the engine, so a batch's episodes fill the engine beside the slowest
+episodes of the batch before it; the engine is then never idle between batches, and takes
+every new weights between turns (the hook above). With rollout workers the program only
+waits for the workers: every batch's shards go out as soon as it is queued, and each worker
+runs the shards it holds together on its engine, taking the offered weights between turns
+(distributed/rollout_workers.py). The bound holds as before: a batch is queued only once
+the learner's version is at least its step minus k.
 
 A deeper pipeline helps where rollout and update times vary from step to step (a slow
 batch is absorbed by the batches collected ahead); where each is steady, k = 1 already
@@ -57,10 +58,8 @@ the batches collected ahead and lost are collected again, none skipped, none rep
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import copy
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -68,6 +67,7 @@ from typing import Any, TextIO
 
 import torch
 
+from turnrl.backends.together import Together
 from turnrl.backends.turn_sync import TurnSync
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.trainer.step import (
@@ -76,6 +76,7 @@ from turnrl.trainer.step import (
     Trainer,
     rollout_phase,
     rollout_program,
+    run_program,
     sync_engines,
     train_step,
     update_phase,
@@ -89,9 +90,6 @@ ten minutes."""
 HAND_BACK_S = 600.0
 """How long an evaluation waits for the rollout thread to leave the engine once its batches
 are in (the engine's end of a run: a vLLM engine put to sleep)."""
-
-ORDER_POLL_S = 0.01
-"""How often the program that runs overlapping batches looks for a newly queued one."""
 
 
 class RolloutAheadError(TurnrlError):
@@ -134,7 +132,7 @@ class Ahead:
     def __init__(self, depth: int, *, partial: bool = False, overlap: bool = False) -> None:
         """``partial``: the engine takes new weights mid-batch, between turns
         (``take_weights_between_turns`` hands it the hook); ``overlap`` (with ``partial``):
-        the batches queued run at the same time on the engine."""
+        the batches queued run at the same time (on the engine, or the workers)."""
         if depth < 1:
             raise ValueError(f"a pipeline is at least one step deep, not {depth}")
         if overlap and not partial:
@@ -142,9 +140,8 @@ class Ahead:
         self.depth = depth
         self.partial = partial
         self.overlap = overlap
-        self._orders: queue.SimpleQueue[tuple[int, concurrent.futures.Future[Collected]]]
-        self._orders = queue.SimpleQueue()
-        """Overlapping batches queued for ``_feed`` to start: (step, its future)."""
+        self._together: Together | None = None
+        """Overlapping batches: what runs them together, on the background thread."""
         self._hooked: Any = None
         """The engine given the mid-batch hook, to take it back on ``close``."""
         self._mid_batch_syncs = 0
@@ -157,8 +154,9 @@ class Ahead:
             1, "turnrl-rollout-ahead", initializer=torch.set_num_threads,
             initargs=(torch.get_num_threads(),),
         )  # fmt: skip
-        self._queue: dict[int, concurrent.futures.Future[Collected]] = {}
-        """The batches queued or collected ahead, by step, oldest first."""
+        self._queue: dict[int, concurrent.futures.Future[tuple[Collected, int]]] = {}
+        """The batches queued or collected ahead, by step, oldest first: each with the most
+        batches that ran at once while it ran."""
         self._version: int | None = None
         self._published: Published | None = None
         self._lock = threading.Lock()
@@ -283,13 +281,12 @@ class Ahead:
         """Queue the rollout of ``step``. An idle engine takes the learner's weights now
         (the sync's metrics); a busy one takes the newest published ones before it starts
         this batch (their metrics go in this batch's row). Overlapping batches: the batch
-        starts at once, beside those running (``_feed``), the engine taking the published
-        weights between turns."""
+        starts at once, beside those running (``Together``), on the engine, which takes the
+        published weights between turns, or on the workers, which take the offered ones."""
         if self.overlap:
-            future: concurrent.futures.Future[Collected] = concurrent.futures.Future()
-            self._orders.put((step, future))
-            self._queue[step] = future
-            self._pool.submit(self._serve_orders, t)  # finds it, or one before it did
+            if self._together is None:  # on the engine, or beside the workers' calls
+                self._together = Together(lambda program: run_program(t, program), self._pool)
+            self._queue[step] = self._together.submit(lambda: self._overlapped(t, step))
             return {}
         synced: Row = {}
         if all(f.done() for f in self._queue.values()):  # nothing runs: sync it here
@@ -297,56 +294,18 @@ class Ahead:
         self._queue[step] = self._pool.submit(self._collect, t, step)
         return synced
 
-    def _serve_orders(self, t: Trainer) -> None:
-        """In the background thread: run the queued batches on the engine, together, until
-        none is left (``_feed``)."""
-        if not self._orders.empty():
-            t.backend.run(self._feed(t))
-
-    async def _feed(self, t: Trainer) -> None:
-        """Start every queued batch as it comes, as a task of this event loop, and settle
-        its future when it ends (``rollout/batches_at_once``: the most batches that ran
-        together while it ran); return when no batch runs and none waits."""
-        running: dict[asyncio.Task[Collected], concurrent.futures.Future[Collected]] = {}
-        at_once: dict[asyncio.Task[Collected], int] = {}
-        try:
-            while True:
-                while not self._orders.empty():
-                    step, future = self._orders.get()
-                    if future.set_running_or_notify_cancel():  # else dropped by ``close``
-                        running[asyncio.create_task(self._overlapped(t, step))] = future
-                        at_once = {x: max(at_once.get(x, 0), len(running)) for x in running}
-                if not running:
-                    return
-                done, _ = await asyncio.wait(
-                    running, timeout=ORDER_POLL_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in done:
-                    future, most = running.pop(task), at_once.pop(task)
-                    try:
-                        collected = task.result()
-                    except BaseException as exc:  # the batch's own error, for its step
-                        future.set_exception(exc)
-                        continue
-                    collected.row["rollout/batches_at_once"] = float(most)
-                    future.set_result(collected)
-        except BaseException as exc:  # the loop's waits must not outlive this program
-            for future in running.values():
-                future.set_exception(RolloutAheadError(f"the overlapping rollouts ended: {exc!r}"))
-            raise
-
     async def _overlapped(self, t: Trainer, step: int) -> Collected:
         """One overlapping batch: ``rollout_program`` with its mid-batch syncs."""
         syncs = self._mid_batch_syncs, self._mid_batch_sync_s
         return self._with_syncs(t, await rollout_program(t, step), syncs)
 
-    def _collect(self, t: Trainer, step: int) -> Collected:
+    def _collect(self, t: Trainer, step: int) -> tuple[Collected, int]:
         """In the background thread: sync the engine from the published weights if they
-        are newer than its own, then collect ``step``'s batch."""
+        are newer than its own, then collect ``step``'s batch (alone: 1 at once)."""
         synced = self._take_published(t) or {}
         collected = self._rollout(t, step)
         collected.row.update(synced)
-        return collected
+        return collected, 1
 
     def _take_published(self, t: Trainer) -> Row | None:
         """Sync the engine from the published weights if they are newer than its own (the
@@ -374,12 +333,15 @@ class Ahead:
         rounds = t.config.algorithm.filter.max_rounds
         deadline = r.episode_timeout_s * rounds + 600 if r.episode_timeout_s else AHEAD_DEADLINE_S
         try:
-            return future.result(timeout=deadline)
+            collected, at_once = future.result(timeout=deadline)
         except concurrent.futures.TimeoutError as exc:
             raise RolloutAheadError(
                 f"the rollout of step {step + 1}, running ahead of the learner, did not "
                 f"finish within {deadline:.0f} s"
             ) from exc
+        if self.overlap:
+            collected.row["rollout/batches_at_once"] = float(at_once)
+        return collected
 
     def _bring_engine(self, t: Trainer) -> Row:
         """The engine (and the rollout workers) get the learner's weights and version
@@ -401,8 +363,7 @@ def stepper(t: Trainer) -> Synchronous | Ahead:
     algo = t.config.algorithm
     if algo.max_staleness == 0:
         return Synchronous()
-    overlap = algo.overlap_batches and algo.max_staleness >= 2
-    ahead = Ahead(algo.max_staleness, partial=algo.partial_rollouts, overlap=overlap)
+    ahead = Ahead(algo.max_staleness, partial=algo.partial_rollouts, overlap=algo.overlapping)
     if algo.partial_rollouts:
         ahead.take_weights_between_turns(t)
     return ahead

@@ -52,9 +52,10 @@ class RolloutWorkers(Protocol):
     ``turnrl.distributed`` gives Ray actors): they run a batch's episodes instead of the
     trainer's own engine, which then only probes the sampler at start-up."""
 
-    def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+    async def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
         """``collect_groups`` of ``tasks`` with ``spec``, spread over the workers: the
-        groups in task order, every task's exactly once."""
+        groups in task order, every task's exactly once. It waits without blocking its
+        event loop, so several batches can be collected at once (overlapping batches)."""
         ...
 
     def sync(self, model: Any, version: int) -> dict[str, float]:
@@ -120,13 +121,13 @@ async def groups_of(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Group
     """``tasks``' groups of episodes: on the rollout workers if the run has any, else on
     the trainer's engine (within its ``run``)."""
     if t.workers is not None:
-        return t.workers.collect(tasks, spec)
+        return await t.workers.collect(tasks, spec)
     return await collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, spec)
 
 
 def run_program(t: Trainer, program: Coroutine[Any, Any, T]) -> T:
     """Run ``program`` on the trainer's engine, or, with rollout workers, on an event loop
-    of its own (the workers' calls block it, with nothing else to run)."""
+    of its own (where it waits for the workers' answers)."""
     return asyncio.run(program) if t.workers is not None else t.backend.run(program)
 
 

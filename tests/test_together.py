@@ -1,0 +1,108 @@
+"""``Together`` (backends/together.py): programs handed over from several threads run at
+the same time as tasks of one program, each settling its own future; a program's error
+is its caller's alone, a cancelled one never starts, and an engine program that ends
+early leaves no caller waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+
+from turnrl.backends.together import ProgramEnded, Together
+
+WAIT_S = 10.0
+
+
+@pytest.fixture
+def thread() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    pool = concurrent.futures.ThreadPoolExecutor(1, "together-test")
+    yield pool
+    pool.shutdown(wait=True)
+
+
+def test_programs_from_two_threads_run_together_each_settling_its_own(
+    thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """The second program starts while the first waits on it: both run in one engine
+    program (one ``run``), 2 at once, each with its own result."""
+    runs: list[int] = []
+
+    def run(program: Coroutine[Any, Any, None]) -> None:
+        runs.append(1)
+        asyncio.run(program)
+
+    together = Together(run, thread)
+    second_started = threading.Event()
+
+    async def first() -> str:
+        while not second_started.is_set():  # only ends once the other runs beside it
+            await asyncio.sleep(0.01)
+        return "first"
+
+    async def second() -> str:
+        second_started.set()
+        return "second"
+
+    a = together.submit(first)
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:  # another thread's program
+        b = caller.submit(together.submit, second).result(timeout=WAIT_S)
+    assert a.result(timeout=WAIT_S) == ("first", 2)
+    assert b.result(timeout=WAIT_S) == ("second", 2)
+    assert runs == [1]
+    assert together.most_at_once == 2
+
+
+def test_a_program_s_error_is_its_own_and_a_cancelled_one_never_starts(
+    thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    started: list[str] = []
+    gate = threading.Event()
+    thread.submit(gate.wait, WAIT_S)  # hold the engine's thread: nothing starts yet
+    together = Together(asyncio.run, thread)
+
+    async def program(name: str) -> str:
+        started.append(name)
+        await asyncio.sleep(0.05)
+        if name == "bad":
+            raise ValueError("a bad batch")
+        return name
+
+    bad = together.submit(lambda: program("bad"))
+    dropped = together.submit(lambda: program("dropped"))
+    good = together.submit(lambda: program("good"))
+    assert dropped.cancel()
+    gate.set()
+    with pytest.raises(ValueError, match="a bad batch"):
+        bad.result(timeout=WAIT_S)
+    assert good.result(timeout=WAIT_S) == ("good", 2)
+    assert sorted(started) == ["bad", "good"]
+    later = together.submit(lambda: program("later"))  # a new engine program
+    assert later.result(timeout=WAIT_S) == ("later", 1)
+
+
+def test_an_engine_program_that_ends_early_fails_every_caller_still_waiting(
+    thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """The engine stops its program (here: a deadline of its own) while two programs
+    run: both callers get ``ProgramEnded``, naming why, instead of waiting forever."""
+
+    def run(program: Coroutine[Any, Any, None]) -> None:
+        async def with_deadline() -> None:
+            await asyncio.wait_for(program, timeout=0.2)
+
+        asyncio.run(with_deadline())
+
+    together = Together(run, thread)
+
+    async def forever() -> None:
+        await asyncio.sleep(3600)
+
+    waiting = [together.submit(forever), together.submit(forever)]
+    for future in waiting:
+        with pytest.raises(ProgramEnded, match="the engine's program ended"):
+            future.result(timeout=WAIT_S)
