@@ -522,14 +522,44 @@ def overlap_on_workers(out: Path, settings: list[str]) -> None:
         assert "rollout/mid_batch_syncs" not in r
     assert all(r["perf/rollout_offer_s"] > 0 for r in steps[:-1])
     assert turn_versions_move_forward(out, k=2) > 0
+    assert samples_seen(out) == task_stream(c)
+
+
+def samples_seen(out: Path) -> Counter[tuple[int, str, int]]:
+    """How many times each (step, task, sample) was logged (every group: ``log_groups``)."""
+    logged = map(json.loads, (out / "trajectories.jsonl").read_text().splitlines())
+    return Counter((x["step"], x["task_id"], x["sample_index"]) for x in logged)
+
+
+def task_stream(c: Config) -> Counter[tuple[int, str, int]]:
+    """Each (step, task, sample) of ``c``'s run once: the task stream's prompts of each
+    step, ``rollout.group_size`` samples each."""
     family = make_env_spec(c.env.name, **c.env.options)
     per_step, group = c.rollout.prompts_per_step, c.rollout.group_size
-    expected = Counter(
+    return Counter(
         (s, family.task((s - 1) * per_step + j).id, i)
         for s in range(1, c.steps + 1) for j in range(per_step) for i in range(group)
     )  # fmt: skip
-    logged = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert Counter((x["step"], x["task_id"], x["sample_index"]) for x in logged) == expected
+
+
+def test_overlapping_batches_on_workers_resumed_after_a_crash_see_every_prompt_once(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """Two workers, k = 2 with overlapping batches: a crash after step 3 loses the batch
+    collected ahead (and the checkpoint is step 2's); the resumed run collects steps 3
+    and 4 again, so every sample of the task stream is trained on exactly once."""
+    c = config(2, "steps=4", "eval.every=2", "save_every=2", "log_groups=2", *OVERLAP)
+    out = tmp_path / "run"
+
+    def crash_after_step_3(row: Row) -> None:
+        if row["step"] == 3:  # step 4's batch is out on the workers: lost with the crash
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(c, out=out, progress=False, on_row=crash_after_step_3)
+    train(c, out=out, resume=True, progress=False)
+    assert samples_seen(out) == task_stream(c)
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3, 4]
 
 
 def test_workers_take_offered_weights_and_a_replacement_starts_from_them(
