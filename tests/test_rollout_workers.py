@@ -4,7 +4,8 @@ metrics exactly; two agree with it up to float rounding; a worker killed mid-ste
 replaced and its shard run again, so the run's episodes and metrics are those of a run
 without the kill; a worker dead at a weight sync is replaced holding the new weights; a
 hung worker stops the run naming it; asynchronous training collects
-the same prompts on workers; `turnrl train` joins a cluster started with `ray start`."""
+the same prompts on workers, overlapping batches run together on a worker and resume
+exactly once; `turnrl train` joins a cluster started with `ray start`."""
 
 from __future__ import annotations
 

