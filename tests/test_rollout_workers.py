@@ -174,9 +174,11 @@ def test_two_workers_agree_with_the_in_process_run(runs: dict[str, Path]) -> Non
 
 class Tripwire:
     """The small run's environment family, whose environments do something bad when a
-    file exists: ``kill`` (the first to find it, claimed by renaming, kills its own process:
-    one worker dies mid-step, its other episodes in flight), ``hang`` (every reset
-    sleeps a minute) or ``slow`` (every reset waits half a second, letting others run)."""
+    file exists: ``kill`` (the first reset to find it, claimed by renaming, kills its own
+    process: one worker dies mid-step, its other episodes in flight; ``kill-in-step``: the
+    first step does), ``hang`` (every reset
+    sleeps a minute) or ``slow`` (every reset and every step wait half a second, letting
+    others run)."""
 
     def __init__(self, directory: Path, settings: Config | None = None) -> None:
         env = (settings or config(0)).env  # the small run's unless ``settings`` are given
@@ -206,18 +208,29 @@ class TripwireEnv:
         return getattr(self.env, name)
 
     async def reset(self, task: Any, seed: int) -> Any:
-        kill = os.path.join(self.directory, "kill")
+        self._trip("kill")
+        if os.path.exists(os.path.join(self.directory, "hang")):
+            time.sleep(60)
+        await self._slow()
+        return await self.env.reset(task, seed)
+
+    async def step(self, action: str) -> Any:
+        self._trip("kill-in-step")
+        await self._slow()
+        return await self.env.step(action)
+
+    def _trip(self, name: str) -> None:
+        """Kill this process if the file ``name`` exists and this is the first to claim it."""
+        kill = os.path.join(self.directory, name)
         try:
             os.rename(kill, kill + ".fired")
         except FileNotFoundError:
-            pass
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if os.path.exists(os.path.join(self.directory, "hang")):
-            time.sleep(60)
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    async def _slow(self) -> None:
         if os.path.exists(os.path.join(self.directory, "slow")):
             await asyncio.sleep(0.5)
-        return await self.env.reset(task, seed)
 
 
 @pytest.fixture(scope="module")
@@ -541,6 +554,30 @@ def task_stream(c: Config) -> Counter[tuple[int, str, int]]:
         (s, family.task((s - 1) * per_step + j).id, i)
         for s in range(1, c.steps + 1) for j in range(per_step) for i in range(group)
     )  # fmt: skip
+
+
+def test_a_worker_killed_under_overlapping_batches_loses_no_episode(
+    local_ray: None, tmp_path: Path, by_value: None
+) -> None:
+    """Two workers, k = 2 with overlapping batches and every reset and step waiting half a
+    second: the two batches queued at the first step run together on both workers, and
+    one worker is killed at an episode's step, holding shards of both. It is replaced
+    once, not once per batch, and every sample of the task stream is trained on exactly
+    once."""
+    c = config(2, "steps=4", "eval.every=4", "log_groups=2", *OVERLAP)
+    (tmp_path / "slow").touch()
+
+    def arm(row: Row) -> None:
+        if row["step"] == 1:  # steps 2 and 3's batches are waiting on their resets
+            (tmp_path / "kill-in-step").write_text("")
+
+    out = tmp_path / "run"
+    train(c, env=Tripwire(tmp_path, c), out=out, progress=False, on_row=arm)
+    assert (tmp_path / "kill-in-step.fired").exists()  # a worker did die
+    got = rows(out)
+    assert sum(r.get("rollout/worker_restarts", 0.0) for r in got) == 1.0
+    assert max(r.get("rollout/batches_at_once", 0.0) for r in got) == 2.0
+    assert samples_seen(out) == task_stream(c)
 
 
 def test_overlapping_batches_on_workers_resumed_after_a_crash_see_every_prompt_once(
