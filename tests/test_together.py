@@ -1,7 +1,7 @@
 """``Together`` (backends/together.py): programs handed over from several threads run at
 the same time as tasks of one program, each settling its own future; a program's error
-is its caller's alone, a cancelled one never starts, and an engine program that ends
-early leaves no caller waiting."""
+(or one that cannot be made) is its caller's alone, a cancelled one never starts, and an
+engine that fails to start, or whose program ends early, leaves no caller waiting."""
 
 from __future__ import annotations
 
@@ -106,3 +106,41 @@ def test_an_engine_program_that_ends_early_fails_every_caller_still_waiting(
     for future in waiting:
         with pytest.raises(ProgramEnded, match="the engine's program ended"):
             future.result(timeout=WAIT_S)
+
+
+def test_an_engine_that_fails_to_start_fails_the_programs_waiting_for_it(
+    thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """The engine's ``run`` raises before running anything (an engine that cannot wake):
+    the callers get ``ProgramEnded`` naming the failure at once, not at their deadlines."""
+
+    def run(program: Coroutine[Any, Any, None]) -> None:
+        program.close()
+        raise RuntimeError("the engine could not wake")
+
+    together = Together(run, thread)
+
+    async def program() -> str:
+        return "never"
+
+    waiting = [together.submit(program), together.submit(program)]
+    for future in waiting:
+        with pytest.raises(ProgramEnded, match="the engine could not wake"):
+            future.result(timeout=WAIT_S)
+
+
+def test_a_program_that_cannot_be_made_fails_its_caller_only(
+    thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    together = Together(asyncio.run, thread)
+
+    def unmade() -> Coroutine[Any, Any, str]:
+        raise ValueError("no such batch")
+
+    async def program() -> str:
+        return "made"
+
+    bad, good = together.submit(unmade), together.submit(program)
+    with pytest.raises(ValueError, match="no such batch"):
+        bad.result(timeout=WAIT_S)
+    assert good.result(timeout=WAIT_S)[0] == "made"

@@ -63,8 +63,15 @@ class Together:
         return future
 
     def _serve(self) -> None:
-        if not self._orders.empty():
+        if self._orders.empty():
+            return
+        try:
             self._run(self._feed())
+        except BaseException as exc:  # the engine failed: what waits would never start
+            while not self._orders.empty():
+                _, future = self._orders.get()
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(ProgramEnded(f"the engine failed: {exc!r}"))
 
     async def _feed(self) -> None:
         """Start every program handed over as it comes, as a task of this event loop, and
@@ -75,10 +82,15 @@ class Together:
             while True:
                 while not self._orders.empty():
                     make, future = self._orders.get()
-                    if future.set_running_or_notify_cancel():  # else cancelled: dropped
+                    if not future.set_running_or_notify_cancel():  # cancelled: dropped
+                        continue
+                    try:
                         running[asyncio.ensure_future(make())] = future
-                        at_once = {x: max(at_once.get(x, 0), len(running)) for x in running}
-                        self.most_at_once = max(self.most_at_once, len(running))
+                    except Exception as exc:  # no program to run: its caller's error
+                        future.set_exception(exc)
+                        continue
+                    at_once = {x: max(at_once.get(x, 0), len(running)) for x in running}
+                    self.most_at_once = max(self.most_at_once, len(running))
                 if not running:
                     return
                 done, _ = await asyncio.wait(
