@@ -176,9 +176,8 @@ class Tripwire:
     """The small run's environment family, whose environments do something bad when a
     file exists: ``kill`` (the first reset to find it, claimed by renaming, kills its own
     process: one worker dies mid-step, its other episodes in flight; ``kill-in-step``: the
-    first step does), ``hang`` (every reset
-    sleeps a minute) or ``slow`` (every reset and every step wait half a second, letting
-    others run)."""
+    first step does), ``hang`` (every reset sleeps a minute) or ``slow`` (every reset and
+    every step wait half a second, letting others run)."""
 
     def __init__(self, directory: Path, settings: Config | None = None) -> None:
         env = (settings or config(0)).env  # the small run's unless ``settings`` are given
@@ -524,7 +523,7 @@ def test_overlapping_batches_on_workers_stay_within_the_bound_on_the_task_stream
 def overlap_on_workers(out: Path, settings: list[str]) -> None:
     """Train ``settings`` with k = 2, partial rollouts and overlapping batches, six steps,
     into ``out``; check the bound, the turn versions, the offers and the task stream."""
-    from test_async import turn_versions_move_forward
+    from test_async import samples_seen, turn_versions_move_forward
 
     c = load_config(None, [*settings, "steps=6", "eval.every=6", "log_groups=4", *OVERLAP])
     train(c, out=out, progress=False)
@@ -537,12 +536,6 @@ def overlap_on_workers(out: Path, settings: list[str]) -> None:
     assert all(r["perf/rollout_offer_s"] > 0 for r in steps[:-1])
     assert turn_versions_move_forward(out, k=2) > 0
     assert samples_seen(out) == task_stream(c)
-
-
-def samples_seen(out: Path) -> Counter[tuple[int, str, int]]:
-    """How many times each (step, task, sample) was logged (every group: ``log_groups``)."""
-    logged = map(json.loads, (out / "trajectories.jsonl").read_text().splitlines())
-    return Counter((x["step"], x["task_id"], x["sample_index"]) for x in logged)
 
 
 def task_stream(c: Config) -> Counter[tuple[int, str, int]]:
@@ -564,6 +557,8 @@ def test_a_worker_killed_under_overlapping_batches_loses_no_episode(
     one worker is killed at an episode's step, holding shards of both. It is replaced
     once, not once per batch, and every sample of the task stream is trained on exactly
     once."""
+    from test_async import samples_seen
+
     c = config(2, "steps=4", "eval.every=4", "log_groups=2", *OVERLAP)
     (tmp_path / "slow").touch()
 
@@ -586,6 +581,8 @@ def test_overlapping_batches_on_workers_resumed_after_a_crash_see_every_prompt_o
     """Two workers, k = 2 with overlapping batches: a crash after step 3 loses the batch
     collected ahead (and the checkpoint is step 2's); the resumed run collects steps 3
     and 4 again, so every sample of the task stream is trained on exactly once."""
+    from test_async import samples_seen
+
     c = config(2, "steps=4", "eval.every=2", "save_every=2", "log_groups=2", *OVERLAP)
     out = tmp_path / "run"
 
