@@ -102,10 +102,7 @@ def test_an_engine_program_that_ends_early_fails_every_caller_still_waiting(
     async def forever() -> None:
         await asyncio.sleep(3600)
 
-    waiting = [together.submit(forever), together.submit(forever)]
-    for future in waiting:
-        with pytest.raises(ProgramEnded, match="the engine's program ended"):
-            future.result(timeout=WAIT_S)
+    two_callers_told(together, forever, "the engine's program ended")
 
 
 def test_an_engine_that_fails_to_start_fails_the_programs_waiting_for_it(
@@ -123,9 +120,14 @@ def test_an_engine_that_fails_to_start_fails_the_programs_waiting_for_it(
     async def program() -> str:
         return "never"
 
-    waiting = [together.submit(program), together.submit(program)]
+    two_callers_told(together, program, "the engine could not wake")
+
+
+def two_callers_told(together: Together, make: Any, why: str) -> None:
+    """Two callers hand ``make``'s program over; each gets ``ProgramEnded`` saying ``why``."""
+    waiting = [together.submit(make), together.submit(make)]
     for future in waiting:
-        with pytest.raises(ProgramEnded, match="the engine could not wake"):
+        with pytest.raises(ProgramEnded, match=why):
             future.result(timeout=WAIT_S)
 
 
