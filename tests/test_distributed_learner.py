@@ -6,6 +6,7 @@ the deadline, and no rank process outlives the group."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import random
@@ -227,7 +228,7 @@ _PROBES: dict[str, Any] = {}
 def watch_embeddings(learner: ShardedLearner) -> None:
     """On every rank: from now on, note whether an embedding of the policy or the KL
     reference is ever held whole (not a DTensor shard) when a decoder layer starts."""
-    _PROBES.update(policy=False, reference=False, handles=[])
+    _PROBES.update(policy=False, reference=False, handles=[], head_calls=[])
     for name, model in (("policy", learner.root), ("reference", learner.reference_root)):
         embeddings = untied_embeddings(model)
         assert len(embeddings) == 2
@@ -235,19 +236,25 @@ def watch_embeddings(learner: ShardedLearner) -> None:
         def look(module: Any, args: Any, name: str = name, embeddings: Any = embeddings) -> None:
             _PROBES[name] |= any(not isinstance(e.weight, DTensor) for e in embeddings)
 
+        def called(module: Any, args: Any, name: str = name) -> None:
+            # the root's own call passes [rows, 1, hidden]; the forward code's, [tokens, hidden]
+            _PROBES["head_calls"].append((name, "root" if args[0].dim() == 3 else "trained"))
+
         _PROBES["handles"] += [
             layer.register_forward_pre_hook(look) for layer in decoder_layers(model)
-        ]
+        ] + [embeddings[1].register_forward_pre_hook(called)]
 
 
 def watched_embeddings(learner: ShardedLearner) -> dict[str, Any]:
-    """On every rank: what ``watch_embeddings`` saw (its hooks removed), whether every
-    parameter is a shard now, and the policy's FSDP2 units by class."""
+    """On every rank: what ``watch_embeddings`` saw (its hooks removed; the output layers'
+    calls by caller, counted), whether every parameter is a shard now, and the policy's
+    FSDP2 units by class."""
     for handle in _PROBES.pop("handles"):
         handle.remove()
     models = (learner.root, learner.reference_root)
     return {
         **_PROBES,
+        "head_calls": collections.Counter(_PROBES["head_calls"]),
         "sharded": all(isinstance(p, DTensor) for m in models for p in m.parameters()),
         "units": [type(m).__name__ for m in learner.root.modules() if "FSDP" in type(m).__name__],
     }
@@ -259,7 +266,8 @@ def test_untied_embeddings_are_units_and_the_update_is_the_in_process_one(
     """Separate input and output embeddings (as from 7B in Qwen2.5) are layer-mode units
     of their own: while a decoder layer computes, both are shards, and the gradient,
     metrics and no-gradient passes are the in-process learner's. The output layer is
-    called twice in a forward (the root's last position, then the trained ones)."""
+    gathered once in a forward: for the trained positions, not for the root's own call
+    (after the root's first, which sets FSDP2 up)."""
     model_dir = build_tiny_model(
         tmp_path / "untied", TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4,
         vocab_size=1024, tie_word_embeddings=False),
@@ -277,9 +285,26 @@ def test_untied_embeddings_are_units_and_the_update_is_the_in_process_one(
         grads = group.call(full_grads)
         gap, kl = group.sampler_gap(s, 0), group.reference_kl(s, 0)
         weights = group.full_state_dict()
+        group.call(watch_embeddings)
+        again = group.step(batch())
+        seen_again = group.call(watched_embeddings)
     units = ["FSDPQwen2ForCausalLM", "FSDPEmbedding", "FSDPQwen2DecoderLayer",
              "FSDPQwen2DecoderLayer", "FSDPLinear"]  # fmt: skip
-    assert seen == [{"policy": False, "reference": False, "sharded": True, "units": units}] * 2
+    for rank in seen + seen_again:
+        assert {k: rank[k] for k in ("policy", "reference", "sharded", "units")} == {
+            "policy": False, "reference": False, "sharded": True, "units": units,
+        }  # fmt: skip
+    # The first step's first forward of each model runs the head in the root's call (FSDP2
+    # sets itself up then); no later one does.
+    for rank in seen:
+        assert rank["head_calls"][("policy", "root")] == 1, rank["head_calls"]
+        assert rank["head_calls"][("reference", "root")] <= 1, rank["head_calls"]
+        assert rank["head_calls"][("policy", "trained")] >= 1
+    for rank in seen_again:
+        assert rank["head_calls"][("policy", "root")] == 0, rank["head_calls"]
+        assert rank["head_calls"][("reference", "root")] == 0, rank["head_calls"]
+        assert rank["head_calls"][("policy", "trained")] >= 1
+    assert again["train/grad_norm"] > 0
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     for rank_grads in grads:

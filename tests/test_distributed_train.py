@@ -29,6 +29,7 @@ from turnrl.api import train
 from turnrl.distributed import LearnerGroup, LearnerRankError
 from turnrl.errors import ConfigError
 from turnrl.models import load_model
+from turnrl.models.tiny import TinyModelConfig, build_tiny_model
 from turnrl.trainer.config import Config, load_config
 from turnrl.trainer.loop import train as train_in_process
 
@@ -248,6 +249,22 @@ def test_lora_on_two_ranks_gives_the_in_process_run(tmp_path: Path) -> None:
     assert files(two) == files(same)
     assert "model/adapter_model.safetensors" in files(two)
     assert max_diff(weights(two), weights(same)) < WEIGHTS_ABS
+
+
+def test_lora_on_an_untied_model_on_two_ranks_gives_the_in_process_run(tmp_path: Path) -> None:
+    """Separate input and output embeddings are units of their own, and the root's call
+    leaves the output layer out (rank.py's ``_without_head``, through peft's wrapper
+    here): three LoRA steps on two ranks are the in-process run's."""
+    untied = TinyModelConfig(
+        hidden_size=64, num_layers=2, num_heads=4, vocab_size=1024, tie_word_embeddings=False
+    )
+    model = build_tiny_model(tmp_path / "untied", untied)
+    lora = [f"model.path={model}", "model.lora.rank=4", "model.lora.alpha=8"]
+    out = {}
+    for name, ranks in (("in_process", 0), ("two", 2)):
+        out[name] = tmp_path / name
+        train(config(3, ranks, *lora, "algorithm.kl.coef=0.05"), out=out[name], progress=False)
+    assert_close(rows(out["two"]), rows(out["in_process"]))
 
 
 PPO = ["algorithm.advantage=gae", "algorithm.kl.coef=0.05"]

@@ -33,6 +33,7 @@ reward, the critic's values) run with every unit gathered once first (``gathered
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import math
@@ -40,7 +41,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -93,8 +94,9 @@ class RankSpec:
 class RootCall:
     """The FSDP2 model as the learner's forward code sees it: ``base_model(...)`` runs the
     whole model's forward (so FSDP2's hooks gather and reduce), with the output layer on
-    only the last position (``logits_to_keep=1``: almost free), and returns the base
-    model's last hidden states; every other attribute is the model's own."""
+    only the last position (``logits_to_keep=1``: almost free), or not at all where it is a
+    unit of its own (it would be gathered for nothing), and returns the base model's last
+    hidden states; every other attribute is the model's own."""
 
     def __init__(self, root: Any) -> None:
         self._root = root
@@ -129,6 +131,13 @@ class _BaseThroughRoot:
             # the calls (forward.agreed_prefix). One rank may make any: it runs the
             # in-process learner's forward exactly.
             self.agree_on_prefix = self._smallest_over_ranks
+        head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+        self._head = head if head is not None and head is not root and _is_unit(head) else None
+        """The output layer where it is a unit of its own (untied embeddings, layer units):
+        the root's calls leave it out (``_without_head``)."""
+        self._initialised = False
+        """Whether the root has run a forward (FSDP2's lazy set-up, which finds the units
+        among the root's modules, is done: the head may be taken out)."""
 
     def _smallest_over_ranks(self, shared: int) -> int:
         """The smallest ``shared`` of all ranks (a collective: every rank calls it); inside
@@ -155,16 +164,44 @@ class _BaseThroughRoot:
         """Declared with ``cache``, so ``hf_cache.cache_kwargs`` passes the cache by that
         name; it is handed on in the spelling the model's own class declares."""
         extra = cache_kwargs(self._root.base_model, cache) if cache is not None else {}
-        out = self._root(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=use_cache, output_hidden_states=True, logits_to_keep=1, **extra,
-        )  # fmt: skip
+        with self._without_head():
+            out = self._root(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=use_cache, output_hidden_states=True, logits_to_keep=1, **extra,
+            )  # fmt: skip
+        self._initialised = True
         # The last hidden state is an output of the root's forward: FSDP2's backward hook
         # on the root's outputs fires from it (the logits are not used).
         cache_out = returned_cache(out) if use_cache else None
         return _BaseOutput(last_hidden_state=out.hidden_states[-1], cache=cache_out)
 
     __call__ = forward
+
+    @contextlib.contextmanager
+    def _without_head(self) -> Iterator[None]:
+        """The root's forward with its output layer, a unit of its own, replaced by
+        ``_NoLogits``: the root's call would gather the whole output layer (V x H, a
+        billion parameters at Qwen2.5-7B's) for the last position's logits, which nothing
+        uses, and the forward code's call on the trained positions gathers it again. Not on
+        the root's first call: FSDP2's lazy set-up looks for the units among the root's
+        modules then, and must find the output layer there."""
+        head = self._head
+        if head is None or not self._initialised:
+            yield
+            return
+        self._root.set_output_embeddings(_NoLogits())
+        try:
+            yield
+        finally:
+            self._root.set_output_embeddings(head)
+
+
+class _NoLogits(torch.nn.Module):
+    """Stands in for the output layer in the root's own call: logits of no vocabulary
+    entries, computed from nothing (``_BaseThroughRoot._without_head``)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.new_zeros((*hidden.shape[:-1], 0))
 
 
 class ShardedLearner(Learner):
@@ -463,10 +500,9 @@ def untied_embeddings(model: Any) -> list[Any]:
     """``model``'s input and output embeddings when they are separate weights (from 7B in
     Qwen2.5: a billion parameters at a 152k vocabulary), else none. As units of their own
     a rank holds each whole only while it computes; as the root's, from the forward to the
-    backward. The output layer is then gathered twice in a forward: once for the root's
-    own call, which computes the last position's logits (``RootCall``, unused), and once
-    for the forward code's call on the trained positions. A tied weight stays the root's:
-    one parameter cannot belong to two units."""
+    backward. The root's own call leaves the output layer out (``RootCall``): it is
+    gathered for the forward code's call on the trained positions only. A tied weight
+    stays the root's: one parameter cannot belong to two units."""
     get_input = getattr(model, "get_input_embeddings", None)
     get_output = getattr(model, "get_output_embeddings", None)
     inp = get_input() if get_input is not None else None
