@@ -41,6 +41,7 @@ import os
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -813,6 +814,10 @@ def join_group(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    # FSDP2 warns once per process that the root returned a view: it is the embeddings'
+    # output among transformers' hidden states, which nothing here reads (RootCall reads
+    # the last), let alone changes in place. Every run's ranks printed it.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     host, port = store_address
     store = dist.TCPStore(host, port, is_master=False)  # type: ignore[attr-defined]
     dist.init_process_group(
