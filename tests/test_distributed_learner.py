@@ -595,3 +595,37 @@ def test_a_message_to_or_from_a_rank_is_a_snapshot_shared_with_no_process() -> N
     assert torch.equal(got["w"], torch.arange(6.0).reshape(2, 3))
     assert int(got["step"]) == 3
     assert not got["w"].is_shared()  # its own memory, not a shared-memory segment
+    got["w"].add_(1.0)  # writable
+
+
+WIRE_TENSORS = {
+    "float32": torch.arange(6.0).reshape(2, 3),
+    "transposed": torch.arange(6.0).reshape(2, 3).t(),
+    "scalar": torch.tensor(3),
+    "bf16": torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16),
+    "empty": torch.empty(0, 4),
+    "bool": torch.tensor([True, False, True]),
+    "conjugated": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj(),
+    "trainable": torch.tensor([0.5, 1.5], requires_grad=True),
+    "parameter": torch.nn.Parameter(torch.ones(2)),  # torch's own pickling
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIRE_TENSORS))
+def test_a_tensor_crosses_the_wire_exactly(name: str) -> None:
+    sent = WIRE_TENSORS[name]
+    got = wire.decode(wire.encode({"t": sent}))["t"]
+    assert type(got) is type(sent)
+    assert (got.dtype, got.shape, got.requires_grad) == (sent.dtype, sent.shape, sent.requires_grad)
+    assert torch.equal(got.detach().resolve_conj(), sent.detach().resolve_conj())
+
+
+def test_a_message_holds_a_tensors_bytes_and_little_else_and_a_tied_one_stays_one() -> None:
+    """A tensor under two names (tied embeddings) is sent once and arrives as one
+    tensor."""
+    w = torch.randn(256, 256)
+    data = wire.encode({"embed": w, "head": w})
+    assert w.nbytes < len(data) < w.nbytes + 1024
+    got = wire.decode(data)
+    assert got["embed"] is got["head"]
+    assert torch.equal(got["embed"], w)
