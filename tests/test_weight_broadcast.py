@@ -17,7 +17,7 @@ import torch
 from turnrl.distributed import weight_broadcast
 from turnrl.distributed.weight_broadcast import (
     BroadcastAborted,
-    Receiver,
+    Member,
     Rendezvous,
     Sender,
     backend_for,
@@ -55,7 +55,7 @@ def receiver_process(rendezvous: Rendezvous, rank: int, plan: list[str], out: An
     if plan == ["die"]:  # before it joins
         die()
     try:
-        receiver = Receiver(rendezvous, rank, "cpu")
+        receiver = Member(rendezvous, rank, "cpu")
     except BroadcastAborted:
         out.put(("aborted", rank))
         return
@@ -133,7 +133,7 @@ def test_every_receiver_gets_each_sync_exactly_in_its_dtype(
 def test_a_receiver_dead_before_the_group_forms_calls_it_off_and_frees_the_others() -> None:
     with started([["receive"], ["die"]], connect=False) as (sender, procs, out):
         begun = time.monotonic()
-        with pytest.raises(BroadcastAborted, match=r"forming: receiver\(s\) 2 failed") as caught:
+        with pytest.raises(BroadcastAborted, match=r"forming: member\(s\) 2 failed") as caught:
             sender.connect(failed=lambda: dead(procs))
         assert caught.value.ranks == [2]
         assert out.get(timeout=TIMEOUT_S) == ("aborted", 1)
@@ -145,9 +145,7 @@ def test_a_receiver_dead_before_the_broadcast_calls_it_off_and_frees_the_others(
         sender.send(weights(1), failed=lambda: dead(procs))  # both take the first
         assert sorted(out.get(timeout=TIMEOUT_S)[:2] for _ in procs) == [(1, 1), (2, 1)]
         begun = time.monotonic()
-        with pytest.raises(
-            BroadcastAborted, match=r"broadcast 2: receiver\(s\) 2 failed"
-        ) as caught:
+        with pytest.raises(BroadcastAborted, match=r"broadcast 2: member\(s\) 2 failed") as caught:
             sender.send(weights(2), failed=lambda: dead(procs))
         assert caught.value.ranks == [2]
         assert out.get(timeout=TIMEOUT_S) == (1, 2, None)  # the live one got the word
@@ -157,10 +155,66 @@ def test_a_receiver_dead_before_the_broadcast_calls_it_off_and_frees_the_others(
 def test_a_receiver_that_never_comes_is_named_after_the_deadline() -> None:
     with started([["receive"], ["idle"]], timeout_s=3.0) as (sender, procs, out):
         begun = time.monotonic()
-        with pytest.raises(BroadcastAborted, match=r"1 receiver\(s\) did not come within 3 s"):
+        with pytest.raises(BroadcastAborted, match=r"1 member\(s\) did not come within 3 s"):
             sender.send(weights(1), failed=lambda: dead(procs))
         assert 3.0 <= time.monotonic() - begun < 10.0
         assert out.get(timeout=TIMEOUT_S) == (1, 1, None)
+
+
+def sender_process(rendezvous: Rendezvous, plan: list[str], out: Any) -> None:
+    """Member 0 in a process of its own (as the learner's rank 0): join, then for each
+    word of ``plan``, "send" sync n of ``weights(n)`` (reporting whether it went), or
+    "die"."""
+    out.put(("joining", 0))
+    member = Member(rendezvous, 0, "cpu")
+    for n, word in enumerate(plan, start=1):
+        if word == "die":
+            os._exit(3)
+        out.put((0, n, member.send(weights(n), n)))
+    member.close()
+
+
+def test_member_0_in_another_process_sends_while_the_driver_only_coordinates() -> None:
+    """The learner's rank 0 sends to the workers (``Coordinator``): every receiver gets
+    each sync exactly; a receiver dead before a sync calls it off for member 0 too (it
+    sends nothing)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    coordinator = weight_broadcast.Coordinator("127.0.0.1", 2, "gloo", TIMEOUT_S)
+    rv = coordinator.rendezvous
+    procs = [ctx.Process(target=sender_process, args=(rv, ["send"] * 3, out), daemon=True)] + [
+        ctx.Process(target=receiver_process, args=(rv, r, plan, out), daemon=True)
+        for r, plan in ((1, ["receive"] * 3), (2, ["receive", "die"]))
+    ]
+    for p in procs:
+        p.start()
+
+    def failed() -> list[int]:
+        return [r for r, p in enumerate(procs) if p.exitcode is not None]
+
+    try:
+        assert sorted(out.get(timeout=TIMEOUT_S) for _ in procs) == [
+            ("joining", r) for r in range(3)
+        ]
+        coordinator.connect(failed)
+        assert coordinator.open(failed) == 1
+        answers = sorted((out.get(timeout=TIMEOUT_S) for _ in procs), key=lambda a: a[0])
+        assert answers[0] == (0, 1, True)
+        for rank, n, data in answers[1:]:
+            assert n == 1
+            got = decode(data)
+            assert list(got) == list(weights(1))
+            assert all(torch.equal(got[k], v) for k, v in weights(1).items()), rank
+        with pytest.raises(BroadcastAborted, match=r"broadcast 2: member\(s\) 2 failed"):
+            coordinator.open(failed)
+        assert sorted(out.get(timeout=TIMEOUT_S)[:3] for _ in range(2)) == [
+            (0, 2, False),
+            (1, 2, None),
+        ]
+    finally:
+        coordinator.close()
+        for p in procs:
+            p.kill()
 
 
 def test_the_backend_follows_the_weights_device() -> None:

@@ -75,7 +75,7 @@ from turnrl.distributed.weight_broadcast import (
     BroadcastAborted,
     BroadcastError,
     Layout,
-    Receiver,
+    Member,
     Rendezvous,
     Sender,
     backend_for,
@@ -146,7 +146,7 @@ class RolloutWorker:
         engine_thread = concurrent.futures.ThreadPoolExecutor(
             1, "turnrl-worker-engine", initializer=torch.set_num_threads, initargs=(threads,)
         )
-        self._receiver: Receiver | None = None
+        self._receiver: Member | None = None
         self.env = env
         self.sampling, self.limits = episode_settings(config, tokenizer)
         self.renderer = ChatRenderer(tokenizer)
@@ -222,7 +222,7 @@ class RolloutWorker:
         self.leave_broadcast()
         device = "cuda" if rendezvous.backend == "nccl" else "cpu"
         try:
-            self._receiver = Receiver(rendezvous, rank, device)
+            self._receiver = Member(rendezvous, rank, device)
         except BroadcastAborted:
             return False
         return True

@@ -144,12 +144,20 @@ def _store(host: str, port: int, timeout_s: float, master: bool) -> Any:
     )  # fmt: skip
 
 
-class Sender:
-    """The driver's side: rank 0 of a group of ``num_receivers + 1`` members.
+class Coordinator:
+    """The driver's part in every group: it holds the store, counts the members in before
+    the group forms and before each sync, and gives the word ("go" or "abort"). Here every
+    member is another process: the learner's rank 0 sends (``Member.send``), the workers
+    receive (``cluster.weight_sync = "broadcast"`` with learner ranks: the weights go from
+    the ranks to the workers without passing through the driver). ``Sender`` is the driver
+    as member 0 itself.
 
     Made in two steps, because the group's construction blocks until every member joins:
-    ``Sender(...)`` opens the store (its ``rendezvous`` is what the receivers need), the
-    caller asks the receivers to join, then ``connect()``."""
+    ``Coordinator(...)`` opens the store (its ``rendezvous`` is what the members need), the
+    caller asks the members to join, then ``connect()``."""
+
+    counted = 0
+    """Of the group's members, how many are this process (not counted in by the store)."""
 
     def __init__(
         self,
@@ -160,35 +168,37 @@ class Sender:
         join_timeout_s: float = JOIN_TIMEOUT_S,
     ) -> None:
         # The store listens on every interface; this process reaches it over loopback, and
-        # the receivers at ``host``, this node's address on their network.
+        # the members at ``host``, this node's address on their network.
         self._store = _store("127.0.0.1", 0, timeout_s, master=True)
         self.rendezvous = Rendezvous(
             host, self._store.port, num_receivers + 1, backend, timeout_s, join_timeout_s,
             BUCKET_BYTES,
         )  # fmt: skip
-        self._group: Any = None
         self.syncs = 0
-        """Syncs begun on this group; the receivers are told each one's number
+        """Syncs begun on this group; the members are told each one's number
         (``next_sync``), and its keys in the store are its own."""
 
     @property
     def next_sync(self) -> int:
-        """The number of the next ``send``: what each receiver's ``receive`` is given."""
+        """The number of the next sync: what each member's ``receive`` or ``send`` is
+        given."""
         return self.syncs + 1
 
     def connect(self, failed: Callable[[], Sequence[int]]) -> None:
-        """Form the group once every receiver is joining; ``failed()`` names the receivers
-        known not to be coming (``BroadcastAborted`` then, or after ``join_timeout_s``). A
-        construction that fails raises ``BroadcastError``."""
+        """Say "go" once every member is joining; ``failed()`` names the members known not
+        to be coming (``BroadcastAborted`` then, or after ``join_timeout_s``)."""
         what = "the weight broadcast group's forming"
         self._gather("joining", "word/join", what, failed, self.rendezvous.join_timeout_s)
-        self._store.set_timeout(datetime.timedelta(seconds=FORM_TIMEOUT_S))
-        try:
-            self._group = _group(self._store, 0, self.rendezvous)
-        except Exception as exc:  # a member that died since it came
-            raise BroadcastError(f"the weight broadcast group did not form: {exc}") from exc
-        finally:
-            self._store.set_timeout(datetime.timedelta(seconds=self.rendezvous.timeout_s))
+
+    def open(self, failed: Callable[[], Sequence[int]]) -> int:
+        """Begin the next sync: "go" once every member is ready for it (its number, which
+        it returns), "abort" and ``BroadcastAborted`` if ``failed()`` names a member first
+        or one is not ready within the group's timeout."""
+        self.syncs += 1
+        n = self.syncs
+        what = f"weight broadcast {n}"
+        self._gather(f"ready/{n}", f"word/{n}", what, failed, self.rendezvous.timeout_s)
+        return n
 
     def _gather(
         self,
@@ -198,25 +208,51 @@ class Sender:
         failed: Callable[[], Sequence[int]],
         timeout_s: float,
     ) -> None:
-        """Wait until every receiver has added itself to ``counter``, then say "go" under
-        ``word``; say "abort" and raise ``BroadcastAborted`` if ``failed()`` names any
-        receiver first, or after ``timeout_s``."""
-        world = self.rendezvous.world
+        """Wait until every member but this process has added itself to ``counter``, then
+        say "go" under ``word``; say "abort" and raise ``BroadcastAborted`` if ``failed()``
+        names any member first, or after ``timeout_s``."""
+        expected = self.rendezvous.world - self.counted
         deadline = time.monotonic() + timeout_s
         polls = 0
-        while (came := self._store.add(counter, 0)) < world - 1:
+        while (came := self._store.add(counter, 0)) < expected:
             late = list(failed())
             if late or time.monotonic() > deadline:
                 self._store.set(word, "abort")
                 who = (
-                    f"receiver(s) {', '.join(map(str, late))} failed"
+                    f"member(s) {', '.join(map(str, late))} failed"
                     if late
-                    else f"{world - 1 - came} receiver(s) did not come within {timeout_s:.0f} s"
+                    else f"{expected - came} member(s) did not come within {timeout_s:.0f} s"
                 )
                 raise BroadcastAborted(f"{what}: {who}", late)
             polls += 1
             time.sleep(min(POLL_S, 1e-4 * 2**polls))
         self._store.set(word, "go")
+
+    def close(self) -> None:
+        """Nothing of the group is this process's (the members close their own halves)."""
+
+
+class Sender(Coordinator):
+    """The driver as rank 0 of a group of ``num_receivers + 1`` members: it coordinates and
+    sends (the weights from its own model)."""
+
+    counted = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group: Any = None
+
+    def connect(self, failed: Callable[[], Sequence[int]]) -> None:
+        """Form the group once every receiver is joining (``Coordinator.connect``). A
+        construction that fails raises ``BroadcastError``."""
+        super().connect(failed)
+        self._store.set_timeout(datetime.timedelta(seconds=FORM_TIMEOUT_S))
+        try:
+            self._group = _group(self._store, 0, self.rendezvous)
+        except Exception as exc:  # a member that died since it came
+            raise BroadcastError(f"the weight broadcast group did not form: {exc}") from exc
+        finally:
+            self._store.set_timeout(datetime.timedelta(seconds=self.rendezvous.timeout_s))
 
     def send(
         self, weights: Mapping[str, torch.Tensor], failed: Callable[[], Sequence[int]]
@@ -226,23 +262,8 @@ class Sender:
         to be coming; if any, or if one is not ready within ``timeout_s``, the sync is
         called off (``BroadcastAborted``). A broadcast that fails raises ``BroadcastError``."""
         assert self._group is not None, "connect() first"
-        self.syncs += 1
-        n = self.syncs
-        what = f"weight broadcast {n}"
-        self._gather(f"ready/{n}", f"word/{n}", what, failed, self.rendezvous.timeout_s)
-        names, tensors = list(weights), list(weights.values())
-        for bucket in buckets(layout_of(weights), self.rendezvous.bucket_bytes):
-            try:
-                if len(bucket) == 1:
-                    _broadcast(self._group, tensors[bucket[0]].detach().contiguous())
-                else:  # one flat buffer: one collective for many small tensors
-                    _broadcast(self._group, torch.cat([tensors[i].reshape(-1) for i in bucket]))
-            except Exception as exc:
-                raise BroadcastError(
-                    f"weight broadcast {n} failed at {names[bucket[0]]}: {exc} (the "
-                    "receivers that had not finished wait until their "
-                    f"{self.rendezvous.timeout_s:.0f} s timeout)"
-                ) from exc
+        n = self.open(failed)
+        _send_all(self._group, weights, self.rendezvous, n)
 
     def close(self) -> None:
         """Leave the group (the receivers' halves are closed by their own processes)."""
@@ -250,12 +271,34 @@ class Sender:
         self._group = None
 
 
-class Receiver:
-    """A worker's side: rank ``rank`` (1..N) of the driver's group. Made when the driver
-    forms it (``Sender.connect``); ``BroadcastAborted`` if the driver called that off."""
+def _send_all(
+    group: Any, weights: Mapping[str, torch.Tensor], rendezvous: Rendezvous, n: int
+) -> None:
+    """Sync ``n``'s broadcasts of ``weights`` from member 0, bucket by bucket."""
+    names, tensors = list(weights), list(weights.values())
+    for bucket in buckets(layout_of(weights), rendezvous.bucket_bytes):
+        try:
+            if len(bucket) == 1:
+                _broadcast(group, tensors[bucket[0]].detach().contiguous())
+            else:  # one flat buffer: one collective for many small tensors
+                _broadcast(group, torch.cat([tensors[i].reshape(-1) for i in bucket]))
+        except Exception as exc:
+            raise BroadcastError(
+                f"weight broadcast {n} failed at {names[bucket[0]]}: {exc} (the "
+                "receivers that had not finished wait until their "
+                f"{rendezvous.timeout_s:.0f} s timeout)"
+            ) from exc
+
+
+class Member:
+    """A member of the driver's group in another process: a worker, rank ``rank`` (1..N),
+    receives; the learner's rank 0 sends where the driver only coordinates
+    (``Coordinator``). Made when the group forms (``connect``); ``BroadcastAborted`` if the
+    driver called that off."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int, device: str) -> None:
         self.rendezvous = rendezvous
+        self.rank = rank
         self.device = device
         self._group: Any = None
         self._store = _store(rendezvous.host, rendezvous.port, rendezvous.join_timeout_s, False)
@@ -266,7 +309,7 @@ class Receiver:
         self._store.set_timeout(datetime.timedelta(seconds=rendezvous.timeout_s))
 
     def _word(self, counter: str, word: str, timeout_s: float) -> bool:
-        """Add this receiver to ``counter``, then the driver's word: True for "go". The
+        """Add this member to ``counter``, then the driver's word: True for "go". The
         driver gives it within ``timeout_s`` of asking (it asks, then starts waiting); this
         waits twice that, so that it never gives up before the driver's word."""
         self._store.add(counter, 1)
@@ -274,8 +317,8 @@ class Receiver:
         return bool(self._store.get(word) == b"go")
 
     def receive(self, layout: Layout, n: int) -> dict[str, torch.Tensor] | None:
-        """Sync ``n``'s tensors (the sender's ``next_sync``), or None if the driver called
-        it off."""
+        """Sync ``n``'s tensors (the coordinator's ``next_sync``), or None if the driver
+        called it off."""
         if not self._word(f"ready/{n}", f"word/{n}", self.rendezvous.timeout_s):
             return None
         out = {}
@@ -287,6 +330,16 @@ class Receiver:
                 name, shape, _ = layout[i]
                 out[name] = piece.view(shape)
         return out
+
+    def send(self, weights: Mapping[str, torch.Tensor], n: int) -> bool:
+        """As member 0: sync ``n`` of ``weights`` (in the layout the receivers were given),
+        once the driver says "go"; False, nothing sent, if it called the sync off. A
+        broadcast that fails raises ``BroadcastError``."""
+        assert self.rank == 0, "only member 0 sends"
+        if not self._word(f"ready/{n}", f"word/{n}", self.rendezvous.timeout_s):
+            return False
+        _send_all(self._group, weights, self.rendezvous, n)
+        return True
 
     def close(self) -> None:
         _shut(self._group)
