@@ -54,11 +54,17 @@ fleets run side by side and sync in turn, ``--repeats`` times after one untimed 
 broadcast's first forms its group: reported apart). Models: random Qwen2 models built
 locally, from the tiny one to about 100M parameters, float32.
 
+Section ``ranks``: a whole weight sync after an update, from 2 learner ranks (FSDP2, gloo)
+to 2 torch workers by broadcast, the same models: through the driver's model (gathered into
+it, then broadcast from it) and from the ranks themselves (rank 0 broadcasts, the driver
+only coordinates: ranks_to_workers.py), the two fleets side by side, syncing in turn.
+
     python benchmarks/scale.py
     python benchmarks/scale.py --sections sync
     python benchmarks/scale.py --sections async
     python benchmarks/scale.py --sections workers
     python benchmarks/scale.py --sections tail
+    python benchmarks/scale.py --sections ranks
     python benchmarks/scale.py --smoke       # the tiny model only, one timed round
 
 Writes benchmarks/results/scale.json and .md (``--out``; ``--smoke``: a temporary
@@ -564,10 +570,114 @@ def sync_table(sync: dict[str, Any]) -> list[str]:
     return lines
 
 
+RANKS_SYNC = ("through the driver", "from the ranks")
+"""The ranks section's two ways: the weights gathered into the driver's model, then
+broadcast from it; or broadcast by rank 0 itself, the driver only coordinating."""
+
+
+def ranks_section(args: argparse.Namespace) -> dict[str, Any]:
+    """A whole weight sync after an update, from 2 learner ranks to 2 torch workers, by
+    broadcast: through the driver's model, and from the ranks themselves; the two fleets
+    side by side, syncing in turn."""
+    import ray
+
+    from turnrl.distributed.driver import GroupLearner
+    from turnrl.distributed.ranks_to_workers import FromRanks
+    from turnrl.distributed.rollout_workers import RayRolloutWorkers
+    from turnrl.envs import make_env_spec
+    from turnrl.models import load_tokenizer
+    from turnrl.models.tiny import TinyModelConfig, build_tiny_model
+    from turnrl.trainer.config import load_config, resolved
+    from turnrl.trainer.loop import WorkersSpec
+
+    shapes = SYNC_MODELS[:1] if args.smoke else SYNC_MODELS
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "load_average_before": os.getloadavg()[0],
+        "repeats": args.repeats, "rows": [],
+    }  # fmt: skip
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="scale-ranks-") as tmp:
+            for hidden, layers in shapes:
+                shape = TinyModelConfig(
+                    hidden_size=hidden, num_layers=layers, num_heads=4, vocab_size=1024,
+                    intermediate_size=hidden * 3,
+                )  # fmt: skip
+                path = build_tiny_model(Path(tmp) / f"m{hidden}x{layers}", shape)
+                model, tokenizer = load_model(path, dtype=torch.float32), load_tokenizer(path)
+                row: dict[str, Any] = {
+                    "hidden": hidden, "layers": layers,
+                    "params": sum(p.numel() for p in model.parameters()),
+                }  # fmt: skip
+                c = resolved(
+                    load_config(None, ["cluster.rollout_workers=2", "threads=1",
+                                       "cluster.weight_sync=broadcast"])
+                )  # fmt: skip
+                spec = WorkersSpec(c, make_env_spec(c.env.name), model, tokenizer, 0, path)
+                group = LearnerGroup(path, CONFIG, num_ranks=2, temperature=1.0, num_threads=1)
+                fleets: dict[str, Any] = {}
+                try:
+                    learner = GroupLearner(group, model)
+                    for way in RANKS_SYNC:
+                        fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
+                    fleets["from the ranks"].send_from_ranks(FromRanks(learner))
+                    times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
+                    for r in range(args.repeats + 1):  # the first forms the groups
+                        for way, fleet in fleets.items():
+                            t0 = time.perf_counter()
+                            if way == "through the driver":  # what GroupLearner did
+                                model.load_state_dict(group.full_state_dict())
+                            fleet.sync(model, r + 1)
+                            times[way].append(time.perf_counter() - t0)
+                finally:
+                    for fleet in fleets.values():
+                        fleet.close()
+                    group.close()
+                for way, ts in times.items():
+                    row[way] = statistics.median(ts[1:])
+                out["rows"].append(row)
+                print("ranks", json.dumps(row), flush=True)
+    finally:
+        ray.shutdown()
+    return out
+
+
+def ranks_table(ranks: dict[str, Any]) -> list[str]:
+    """The ranks section's table."""
+    lines = [
+        "",
+        f"## Weight sync from 2 learner ranks to 2 rollout workers (median of "
+        f"{ranks['repeats']}, broadcast, torch workers)",
+        "",
+        f"{ranks['date']}, load average before: {ranks['load_average_before']:.1f}.",
+        "",
+        "| model | parameters | through the driver's model s | from the ranks s | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in ranks["rows"]:
+        a, b = r["through the driver"], r["from the ranks"]
+        lines.append(
+            f"| {r['hidden']} x {r['layers']} | {r['params'] / 1e6:.2f}M | {a:.3f} | {b:.3f} "
+            f"| {b / a:.2f}x |"
+        )
+    lines += [
+        "",
+        "Timed from the driver, from the end of an update to the weights loaded in every "
+        "worker's engine. Through the driver's model: the ranks gather the weights to rank "
+        "0, which sends them to the driver through a pipe; the driver copies them into its "
+        "model and broadcasts them (what a run with `cluster.max_staleness` >= 1 or LoRA "
+        "does). From the ranks: rank 0 broadcasts them itself (ranks_to_workers.py), gloo "
+        "over this machine's loopback.",
+    ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--sections", nargs="+", default=["learner", "async", "tail", "workers", "sync"]
+        "--sections",
+        nargs="+",
+        default=["learner", "async", "tail", "workers", "sync", "ranks"],
     )
     parser.add_argument(
         "--tail-latency", type=float, default=2.0, help="the slow lookups' seconds (tail section)"
@@ -606,6 +716,7 @@ def main() -> None:
     tail = tail_section(args) if "tail" in args.sections else kept.get("tail")
     workers = workers_section(args) if "workers" in args.sections else kept.get("workers")
     sync = sync_section(args) if "sync" in args.sections else kept.get("sync")
+    ranks = ranks_section(args) if "ranks" in args.sections else kept.get("ranks")
     if "learner" not in args.sections:  # a section not re-run keeps its last figures
         rows = kept.get("rows", [])
     meta = {
@@ -624,6 +735,7 @@ def main() -> None:
         **meta, "rows": rows, **({"async": asynchronous} if asynchronous else {}),
         **({"tail": tail} if tail else {}),
         **({"workers": workers} if workers else {}), **({"sync": sync} if sync else {}),
+        **({"ranks": ranks} if ranks else {}),
     }  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=2))
     lines = [
@@ -747,6 +859,8 @@ def main() -> None:
         ]
     if sync:
         lines += sync_table(sync)
+    if ranks:
+        lines += ranks_table(ranks)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -312,6 +312,10 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert (sync["hidden"], sync["layers"]) == (64, 2)
     timed = [f"{mode}, {n}" for mode in ("object_store", "broadcast") for n in (1, 2)]
     assert all(sync[key] > 0 for key in [*timed, "broadcast first, 1", "broadcast first, 2"])
+    (ranks,) = data["ranks"]["rows"]
+    assert (ranks["hidden"], ranks["layers"]) == (64, 2)
+    assert ranks["through the driver"] > 0
+    assert ranks["from the ranks"] > 0
 
 
 CHECKS: dict[str, Check] = {

@@ -262,6 +262,61 @@ def test_a_worker_killed_mid_step_loses_no_episode(
     assert [deterministic(r) for r in got] == [deterministic(r) for r in rows(runs["two"])]
 
 
+@pytest.fixture(scope="module")
+def ranks_runs(tmp_path_factory: pytest.TempPathFactory, local_ray: None) -> dict[str, Path]:
+    """Two workers and two learner ranks: synced by broadcast (the ranks send to the
+    workers themselves), and through the object store (through the driver's model)."""
+    base = tmp_path_factory.mktemp("ranks")
+    out = {}
+    for name, sync in (("direct", BROADCAST), ("driver", OBJECT_STORE)):
+        out[name] = base / name
+        settings = (2, sync, "cluster.learner_ranks=2", "save_every=2")
+        train(config(*settings), out=out[name], progress=False)
+    return out
+
+
+def test_the_learner_s_ranks_send_the_weights_to_the_workers_themselves(
+    ranks_runs: dict[str, Path],
+) -> None:
+    """With the broadcast the ranks send each update's weights to the workers, the driver
+    only coordinating: no gather into the driver's model (no ``perf/weight_sync_s``), and
+    the run is the one synced through the driver's model exactly (every metric, every
+    episode); the checkpoints, which bring the driver's model up to date first, hold the
+    same weights."""
+    direct, driver = rows(ranks_runs["direct"]), rows(ranks_runs["driver"])
+    assert [deterministic(r) for r in direct] == [deterministic(r) for r in driver]
+    assert episodes(ranks_runs["direct"]) == episodes(ranks_runs["driver"])
+    assert all("perf/weight_sync_s" not in r and r["perf/rollout_sync_s"] > 0 for r in direct[1:])
+    assert all(r["perf/weight_sync_s"] > 0 for r in driver[1:])
+    for step in ("step_000002", "step_000003"):
+        a, b = (load_file(ranks_runs[k] / "checkpoints" / step / "model" / "model.safetensors")
+                for k in ("direct", "driver"))  # fmt: skip
+        assert a.keys() == b.keys(), step
+        assert all(torch.equal(a[k], b[k]) for k in a), step
+
+
+def test_a_worker_killed_mid_step_while_the_ranks_send_loses_no_episode(
+    ranks_runs: dict[str, Path], tmp_path: Path, by_value: None
+) -> None:
+    """Killed at the start of step 2's rollout, a worker is replaced from the driver's
+    model brought up to date from the ranks (it lags them), its shard collected again, and
+    the next sync forms the group again with rank 0: the run without the kill, exactly."""
+    family = Tripwire(tmp_path)
+
+    def arm(row: Row) -> None:
+        if row["step"] == 1:
+            (tmp_path / "kill").write_text("")
+
+    out = tmp_path / "run"
+    c = config(2, BROADCAST, "cluster.learner_ranks=2", "save_every=2")
+    train(c, env=family, out=out, progress=False, on_row=arm)
+    assert (tmp_path / "kill.fired").exists()
+    got = rows(out)
+    assert [r.get("rollout/worker_restarts") for r in got] == [None, 0.0, 1.0, 0.0]
+    assert episodes(out) == episodes(ranks_runs["direct"])
+    assert [deterministic(r) for r in got] == [deterministic(r) for r in rows(ranks_runs["direct"])]
+
+
 def test_a_worker_killed_mid_step_of_a_run_with_partial_rollouts_loses_no_episode(
     local_ray: None, tmp_path: Path, by_value: None
 ) -> None:
@@ -397,6 +452,56 @@ def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
         sampled_as_in_process(workers, c, family, copy.deepcopy(model), tokenizer, 7)
     finally:
         workers.close()
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weights(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path, by_value: None,
+    when: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The learner's rank 0 sends (ranks_to_workers.py), and worker 1 is killed before a
+    sync, or in the middle of one (rank 0's broadcast then fails, and worker 0 is left
+    blocked): the workers that did not finish are replaced, rank 0 joins the group formed
+    again, and sends again; both workers then sample with the ranks' new weights, which the
+    driver's model had not seen."""
+    from test_distributed_learner import advantages, samples
+    from turnrl.distributed import LearnerGroup
+    from turnrl.distributed.driver import GroupLearner
+    from turnrl.distributed.ranks_to_workers import FromRanks
+
+    monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", 1)  # each tensor a collective
+    c = resolved(config(2, BROADCAST, "cluster.learner_ranks=1"))
+    family = make_env_spec(c.env.name, **c.env.options)
+    driver_model = copy.deepcopy(model)
+    group = LearnerGroup(tiny_model_dir, c.algorithm, num_ranks=1, temperature=1.0, timeout_s=120)
+    learner = GroupLearner(group, driver_model)
+    learner.model_lags = True
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, driver_model, tokenizer, 0, tiny_model_dir), 2, threads=1,
+        weight_sync="broadcast",
+    )  # fmt: skip
+    try:
+        workers.send_from_ranks(FromRanks(learner))
+        pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
+        if when == "during":
+            workers.sync(driver_model, 1)  # the group is formed
+            ray.get(workers.actors[1].__ray_call__.remote(dies_in_the_broadcast), timeout=60)
+        else:
+            os.kill(pids[1], signal.SIGKILL)
+        before = copy.deepcopy(driver_model.state_dict())
+        learner.step_samples(samples(6, seed=2), advantages(6), pad_id=0)  # the ranks only
+        assert all(torch.equal(v, before[k]) for k, v in driver_model.state_dict().items())
+        policy = copy.deepcopy(driver_model)
+        policy.load_state_dict(group.full_state_dict())
+        workers.sync(driver_model, 7)
+        restarts = 2 if when == "during" else 1
+        assert workers.take_metrics() == {"rollout/worker_restarts": float(restarts)}
+        now = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
+        assert sum(pid not in pids for pid in now) == restarts
+        sampled_as_in_process(workers, c, family, policy, tokenizer, 7)
+    finally:
+        workers.close()
+        group.close()
 
 
 def test_workers_that_cannot_reach_the_driver_s_store_stop_the_sync_saying_so(
@@ -851,8 +956,10 @@ def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path)
     --address` (both on this machine: two raylets, two object stores), then `turnrl train
     --set cluster.rollout_workers=2 --set cluster.address=...` with the learner on two
     ranks placed by Ray: the run completes. The head has no CPU to give, so both workers
-    run on the second node: the weights they load cross from the driver's node through
-    Ray's object transfer, and they join the driver's broadcast group at its address."""
+    and both ranks run on the second node: the start weights cross from the driver's node
+    through Ray's object transfer, and the workers and the learner's rank 0 join the
+    broadcast group at the driver's address; rank 0 sends every sync (no gather into the
+    driver's model: no ``perf/weight_sync_s``)."""
     log, node_log = tmp_path / "head.log", tmp_path / "node.log"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_AUTH_MODE", None)  # a ray.init in this process (the fixture) sets it
@@ -893,7 +1000,8 @@ def test_the_command_line_joins_a_cluster_started_with_ray_start(tmp_path: Path)
         assert f"Connecting to existing Ray cluster at address: {address}" in done.stderr
         got = rows(tmp_path / "run")
         assert [r["step"] for r in got] == [0, 1, 2, 3]
-        assert all(r["perf/rollout_sync_s"] > 0 and r["perf/weight_sync_s"] > 0 for r in got[1:])
+        assert all(r["perf/rollout_sync_s"] > 0 for r in got[1:])
+        assert not any("perf/weight_sync_s" in r for r in got)
         assert "Started a local Ray instance" not in done.stderr
     finally:
         for process in (node, head):

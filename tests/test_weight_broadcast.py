@@ -1,5 +1,6 @@
-"""The weight broadcast group on its own (weight_broadcast.py): the driver's ``Sender`` and
-receivers in processes of their own, over gloo, without Ray. What the rollout workers do
+"""The weight broadcast group on its own (weight_broadcast.py): the driver's ``Sender`` (or
+its ``Coordinator``, member 0 sending from a process of its own) and receivers in processes
+of their own, over gloo, without Ray. What the rollout workers do
 with it (replacing workers, forming the group again) is tested in test_rollout_workers.py."""
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ rollout_workers.py runs the episodes on Ray actors, each an engine with its envi
 (``RayRolloutWorkers``), replacing a worker that dies. driver.py runs a training run with
 either or both (``cluster.learner_ranks``, ``cluster.rollout_workers``): the in-process
 loop with a group-backed learner and worker-backed rollouts, the weights synced after
-every update: through Ray's object store, or by a broadcast of the driver's own over
-torch.distributed (weight_broadcast.py: gloo, and NCCL on GPUs, which has not run).
+every update: through Ray's object store, or by a broadcast over torch.distributed
+(weight_broadcast.py: gloo, and NCCL on GPUs, which has not run) from the driver's model or,
+in a synchronous run, from the learner's rank 0 itself (ranks_to_workers.py).
 """
 
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError

@@ -28,8 +28,10 @@ critic beside them: a value head, or a value model that starts as the driver's p
 
 From the driver's model the weights go on to the rollout workers as
 ``cluster.weight_sync`` says (rollout_workers.py): through Ray's object store, or by a
-broadcast of their own. Not here yet: the ranks broadcasting to the workers themselves
-(every sync goes through the driver's model).
+broadcast of their own. A synchronous run's broadcast without LoRA skips the driver
+(``sends_from_ranks``): the ranks send the weights to the workers themselves
+(ranks_to_workers.py), and the driver's model is brought up to date only when it is read
+(a checkpoint, a replacement worker's start weights).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
+from turnrl.distributed.ranks_to_workers import FromRanks
 from turnrl.distributed.rollout_workers import RayRolloutWorkers
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
@@ -88,6 +91,9 @@ def train(
             weight_sync=c.weight_sync,
         )  # fmt: skip
         workers.append(fleet)
+        if started and sends_from_ranks(spec.config, fleet.weight_sync):
+            started[0].model_lags = True
+            fleet.send_from_ranks(FromRanks(started[0]))
         return fleet
 
     run_dir = Path(run_dir)
@@ -109,6 +115,19 @@ def train(
             learner.group.close()
         for fleet in workers:
             fleet.close()
+
+
+def sends_from_ranks(config: Config, weight_sync: str) -> bool:
+    """Whether the learner's ranks send the weights to the rollout workers themselves
+    (ranks_to_workers.py): a synchronous run's broadcast, the policy without LoRA. An
+    asynchronous run publishes a copy of the driver's model for the workers to take while
+    the next update runs, and a LoRA policy's sync sends its merged weights: both go
+    through the driver's model."""
+    return (
+        weight_sync == "broadcast"
+        and config.algorithm.max_staleness == 0
+        and config.model.lora.rank == 0
+    )
 
 
 def _with_adapters(load: Callable[[], Any], **lora: Any) -> Any:
@@ -139,11 +158,17 @@ class GroupLearner:
     """The run's learner on a ``LearnerGroup``, as the trainer uses a ``Learner``.
 
     ``model`` is the driver's copy of the policy: the engine samples with it and
-    checkpoints save it; ``step_samples`` leaves the group's new weights in it."""
+    checkpoints save it; ``step_samples`` leaves the group's new weights in it, unless
+    ``model_lags`` (the ranks send them to the rollout workers themselves: then
+    ``refresh_model`` brings them when the model is read)."""
 
     def __init__(self, group: LearnerGroup, model: Any) -> None:
         self.group = group
         self.model = model
+        self.model_lags = False
+        """Whether an update leaves ``model`` as it was (ranks_to_workers.py)."""
+        self._behind = False
+        """Whether ``model`` lags the ranks' weights now."""
         self.optimizer = GroupOptimizer(group, model)
         """The group's optimizer state as checkpoints read and write it."""
         self.critic = GroupCritic(group) if group.config.advantage == "gae" else None
@@ -206,13 +231,25 @@ class GroupLearner:
 
     def _synced(self, metrics: dict[str, float]) -> dict[str, float]:
         """``metrics`` of an update, after the new weights are gathered and copied into
-        ``model`` (``perf/weight_sync_s``)."""
+        ``model`` (``perf/weight_sync_s``); where ``model_lags``, not now."""
+        if self.model_lags:
+            self._behind = True
+            return metrics
         t0 = time.perf_counter()
-        weights = self.group.full_state_dict()
-        with torch.no_grad():
-            self.model.load_state_dict(weights)  # in place: the engine's object keeps them
+        self._behind = True
+        self.refresh_model()
         metrics["perf/weight_sync_s"] = time.perf_counter() - t0
         return metrics
+
+    def refresh_model(self) -> None:
+        """``model`` holds the ranks' newest weights: gathered from the shards and copied
+        in, in place (the engine's object keeps them), if it lags them."""
+        if not self._behind:
+            return
+        weights = self.group.full_state_dict()
+        with torch.no_grad():
+            self.model.load_state_dict(weights)
+        self._behind = False
 
     def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:
         return self.group.sampler_gap(samples, pad_id)

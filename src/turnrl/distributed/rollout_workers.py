@@ -70,10 +70,12 @@ from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.turn_sync import TurnSync
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
+from turnrl.distributed.ranks_to_workers import ABORTED
 from turnrl.distributed.weight_broadcast import (
     JOIN_TIMEOUT_S,
     BroadcastAborted,
     BroadcastError,
+    Coordinator,
     Layout,
     Member,
     Rendezvous,
@@ -271,9 +273,15 @@ class RayRolloutWorkers:
         cores = os.cpu_count() or 1
         self.threads = threads or spec.config.threads or max(1, cores // num_workers)
         self.actors: list[Any] = []
-        self._sender: Sender | None = None
+        self._sender: Coordinator | None = None
         """The driver's side of the weight broadcast group (formed at the first broadcast,
-        formed again after any worker is replaced)."""
+        formed again after any worker is replaced): a ``Sender`` when the driver sends, a
+        bare ``Coordinator`` when the learner's rank 0 does (``send_from_ranks``)."""
+        self._ranks: Any = None
+        """``ranks_to_workers.FromRanks`` once ``send_from_ranks`` is called: a sync of its
+        model is sent by the learner's ranks, not from the driver's model."""
+        self._layout: Layout | None = None
+        """The layout the ranks send in (the driver's model's, taken once)."""
         self.ray = ray_cluster.join(address, min_cpus=num_workers)
         self._joined = True
         self._spec = spec
@@ -462,25 +470,49 @@ class RayRolloutWorkers:
                 self._replace(w)
         return timings
 
+    def send_from_ranks(self, ranks: Any) -> None:
+        """From now on a sync of ``ranks.model`` (the driver's copy of the policy, which
+        then lags) goes from the learner's ranks to the workers, the driver only
+        coordinating (``ranks``: a ``ranks_to_workers.FromRanks``). Broadcast syncs only."""
+        if self.weight_sync != "broadcast":
+            raise ValueError(f"the ranks send by broadcast only, not by {self.weight_sync!r}")
+        self._ranks = ranks
+        self._layout = layout_of(engine_weights(ranks.model))
+
     def _broadcast(self, model: Any, version: int) -> list[dict[str, float]]:
-        """The sync as one broadcast from this process to every worker
-        (weight_broadcast.py). A worker that dies before the broadcast calls it off, one
+        """The sync as one broadcast to every worker (weight_broadcast.py), from this
+        process, or from the learner's rank 0 where ``model`` is the one the ranks train
+        (``send_from_ranks``). A worker that dies before the broadcast calls it off, one
         that dies during it leaves the others blocked: either way the workers that did not
         finish are replaced, a new group is formed, and the sync is sent again."""
-        weights = {k: v.detach() for k, v in engine_weights(model).items()}
-        layout = layout_of(weights)
-        synced = (
-            {k: v.to("cpu", copy=True) for k, v in weights.items()} if self._copy_synced else model
-        )
+        direct = self._ranks is not None and model is self._ranks.model
+        if direct:
+            assert self._layout is not None
+            weights, layout, synced = None, self._layout, self._ranks
+        else:
+            weights = {k: v.detach() for k, v in engine_weights(model).items()}
+            layout = layout_of(weights)
+            synced = (
+                {k: v.to("cpu", copy=True) for k, v in weights.items()}
+                if self._copy_synced
+                else model
+            )
         with self._lock:
             self._version, self._weights, self._synced = version, None, synced
         problem = ""
         for _ in range(MAX_RESTARTS + 1):
-            sender = self._sender or self._form_group()
+            if self._sender is None or isinstance(self._sender, Sender) == direct:
+                self._form_group(direct)
+            sender = self._sender
+            assert sender is not None
             n = sender.next_sync
             calls = [a.receive_weights.remote(layout, n, version) for a in self.actors]
             try:
-                sender.send(weights, failed=functools.partial(self._finished, calls))
+                if weights is None:
+                    self._send_from_ranks(sender, layout, calls)
+                else:
+                    assert isinstance(sender, Sender)
+                    sender.send(weights, failed=functools.partial(self._finished, calls))
             except BroadcastError as exc:  # an abort frees the live workers at once
                 problem = str(exc)
                 grace = 60.0 if isinstance(exc, BroadcastAborted) else 5.0
@@ -492,25 +524,71 @@ class RayRolloutWorkers:
             f"last with: {problem}" + _nccl_hint(self._backend)
         )
 
+    def _send_from_ranks(self, coordinator: Coordinator, layout: Layout, calls: list[Any]) -> None:
+        """One sync sent by the learner's rank 0 (``ranks_to_workers.rank_send``) to the
+        workers receiving it (``calls``); this process says "go" once all are ready.
+        ``BroadcastError`` if it was called off or failed (the ranks' call has answered
+        by then); a rank that died raises ``LearnerRankError``."""
+        ranks = self._ranks
+        n = coordinator.next_sync
+        sending = ranks.send(layout, n)
+
+        def failed() -> list[int]:  # member 0 is the ranks' call: done before "go" = failed
+            return ([0] if sending.done() else []) + self._finished(calls)
+
+        try:
+            coordinator.open(failed)
+        except BroadcastAborted as exc:
+            answer = ranks.answer(sending)  # rank 0 has its word: it answers at once
+            if answer is None or answer == ABORTED:
+                raise
+            raise BroadcastError(f"the learner's rank 0: {answer}") from exc
+        answer = ranks.answer(sending)
+        if answer is not None:
+            raise BroadcastError(f"the learner's rank 0 did not send sync {n}: {answer}")
+
     @property
     def _backend(self) -> str:
         return backend_for(self.device)
 
-    def _form_group(self) -> Sender:
-        """A new broadcast group of this process and every worker; workers that do not
+    def _connect(self, sender: Coordinator, failed: Any, joined: Any) -> None:
+        """``sender.connect``, and where the learner's rank 0 is member 0, its answer to
+        ``joined``, its call to join (called off or not, it has its word: it answers at
+        once). ``BroadcastError`` naming rank 0's problem if it did not join."""
+        try:
+            sender.connect(failed=failed)
+        except BroadcastAborted as exc:
+            answer = self._ranks.answer(joined) if joined is not None else None
+            if answer is None or answer == ABORTED:
+                raise
+            raise BroadcastError(f"the learner's rank 0 did not join: {answer}") from exc
+        answer = self._ranks.answer(joined) if joined is not None else None
+        if answer is not None:
+            raise BroadcastError(f"the learner's rank 0 did not join: {answer}")
+
+    def _form_group(self, direct: bool = False) -> Coordinator:
+        """A new broadcast group of every worker and this process (``direct``: of the
+        learner's rank 0 instead, this process only coordinating); workers that do not
         join are replaced and the group formed again."""
         problem = ""
         for _ in range(MAX_RESTARTS + 1):
             self._close_group()
             host = self.ray.util.get_node_ip_address()
-            sender = Sender(
+            kind = Coordinator if direct else Sender
+            sender = kind(
                 host, self.num_workers, self._backend, self.call_timeout_s, self.join_timeout_s
             )
             joins = [
                 a.join_broadcast.remote(sender.rendezvous, w + 1) for w, a in enumerate(self.actors)
             ]
+            joined = self._ranks.join(sender.rendezvous) if direct else None
+
+            def failed(joins: list[Any] = joins, joined: Any = joined) -> list[int]:
+                early = joined is not None and joined.done()  # before "go": a failure
+                return ([0] if early else []) + self._finished(joins)
+
             try:
-                sender.connect(failed=functools.partial(self._finished, joins))
+                self._connect(sender, failed, joined)
             except BroadcastError as exc:
                 sender.close()
                 problem = str(exc)
@@ -605,6 +683,9 @@ class RayRolloutWorkers:
         with self._lock:
             if load and self._weights is None and self._synced is not None:  # broadcasts
                 synced = self._synced
+                if synced is self._ranks:  # the driver's model lags the ranks': not now
+                    self._ranks.refresh()
+                    synced = self._ranks.model
                 synced = synced if isinstance(synced, dict) else cpu_weights(synced)
                 self._weights = self.ray.put(synced)
             if load and self._weights is not None:
