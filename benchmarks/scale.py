@@ -665,7 +665,7 @@ def ranks_table(ranks: dict[str, Any]) -> list[str]:
         "Timed from the driver, from the end of an update to the weights loaded in every "
         "worker's engine. Through the driver's model: the ranks gather the weights to rank "
         "0, which sends them to the driver through a pipe; the driver copies them into its "
-        "model and broadcasts them (what a run with `cluster.max_staleness` >= 1 or LoRA "
+        "model and broadcasts them (what a run with `algorithm.max_staleness` >= 1 or LoRA "
         "does). From the ranks: rank 0 broadcasts them itself (ranks_to_workers.py), gloo "
         "over this machine's loopback.",
     ]
