@@ -667,6 +667,8 @@ class RayRolloutWorkers:
                 self.ray.kill(actor)
         self.actors = []
         self._close_group()
+        if self._ranks is not None:
+            self._ranks.close()
         if self._joined:
             self._joined = False
             ray_cluster.leave()  # the last to leave shuts down a cluster the run started

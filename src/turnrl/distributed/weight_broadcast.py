@@ -1,14 +1,16 @@
-"""The weight sync as a collective broadcast from the driver to the rollout workers
-(``cluster.weight_sync = "broadcast"``).
+"""The weight sync as a collective broadcast to the rollout workers
+(``cluster.weight_sync = "broadcast"``), from the driver or from the learner's rank 0.
 
-The driver (rank 0) and the N workers (ranks 1..N) form a torch.distributed group of their
-own, outside any default group a process may have: gloo for weights in CPU memory, NCCL
-for weights on GPUs (every member then on a GPU of its own: NCCL refuses two members on
-one device). Its rendezvous is a ``TCPStore`` the driver holds. A sync sends each tensor
-once, into buffers the workers allocate from the layout (names, shapes, dtypes) the driver
-gives them: one broadcast per run of small tensors of one dtype, flattened into one
-buffer (``buckets``), and one per larger tensor; on GPUs the weights go from the driver's
-model to the engines' GPUs without passing through CPU memory.
+The sender (rank 0: the driver, ``Sender``, or the learner's rank 0, a ``Member`` while the
+driver only coordinates, ``Coordinator``) and the N workers (ranks 1..N) form a
+torch.distributed group of their own, outside any default group a process may have:
+gloo for weights in CPU memory, NCCL for weights on GPUs (every member then on a GPU of
+its own: NCCL refuses two members on one device). Its rendezvous is a ``TCPStore`` the
+driver holds. A sync sends each tensor once, into buffers the workers allocate from the
+layout (names, shapes, dtypes) the driver gives them: one broadcast per run of small
+tensors of one dtype, flattened into one buffer (``buckets``), and one per larger tensor;
+on GPUs the weights go from the driver's GPU to the engines' GPUs without passing through
+CPU memory (from the learner's rank 0 they do: it gathers them into CPU memory first).
 
 A collective whose member has died blocks the others until the group's timeout, and an
 abort by the sender does not free them (checked with gloo: a receiver waited out its whole
