@@ -82,6 +82,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -482,26 +483,20 @@ SYNC_MODELS = [(64, 2), (256, 4), (512, 8), (1024, 8)]
 """(hidden size, layers) of the sync section's models: 0.1M to about 100M parameters."""
 
 
-def sync_section(args: argparse.Namespace) -> dict[str, Any]:
-    """``RayRolloutWorkers.sync`` seconds by model size, weight sync and worker count."""
+def sync_models(args: argparse.Namespace, section: str) -> Iterator[tuple[dict[str, Any], Any]]:
+    """For the sync and ranks sections, under a local Ray cluster: each of
+    ``SYNC_MODELS`` (the first only with ``--smoke``) built locally. Yields ``(row, made)``:
+    the section's row for it, begun (hidden, layers, parameters; printed once the section
+    has filled it), and ``made``, its (path, model, tokenizer)."""
     import ray
 
-    from turnrl.distributed.rollout_workers import RayRolloutWorkers
-    from turnrl.envs import make_env_spec
     from turnrl.models import load_tokenizer
     from turnrl.models.tiny import TinyModelConfig, build_tiny_model
-    from turnrl.trainer.config import load_config, resolved
-    from turnrl.trainer.loop import WorkersSpec
 
-    shapes = SYNC_MODELS[:1] if args.smoke else SYNC_MODELS
-    out: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "load_average_before": os.getloadavg()[0],
-        "repeats": args.repeats, "rows": [],
-    }  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory(prefix="scale-sync-") as tmp:
-            for hidden, layers in shapes:
+        with tempfile.TemporaryDirectory(prefix=f"scale-{section}-") as tmp:
+            for hidden, layers in SYNC_MODELS[:1] if args.smoke else SYNC_MODELS:
                 shape = TinyModelConfig(
                     hidden_size=hidden, num_layers=layers, num_heads=4, vocab_size=1024,
                     intermediate_size=hidden * 3,
@@ -509,34 +504,62 @@ def sync_section(args: argparse.Namespace) -> dict[str, Any]:
                 path = build_tiny_model(Path(tmp) / f"m{hidden}x{layers}", shape)
                 model, tokenizer = load_model(path, dtype=torch.float32), load_tokenizer(path)
                 params = sum(p.numel() for p in model.parameters())
-                row: dict[str, Any] = {"hidden": hidden, "layers": layers, "params": params}
-                for n in (1, 2):
-                    fleets = {}
-                    for mode in ("object_store", "broadcast"):
-                        c = resolved(
-                            load_config(None, [f"cluster.rollout_workers={n}", "threads=1",
-                                               f"cluster.weight_sync={mode}"])
-                        )  # fmt: skip
-                        family = make_env_spec(c.env.name, **c.env.options)
-                        spec = WorkersSpec(c, family, model, tokenizer, 0, path)
-                        fleets[mode] = RayRolloutWorkers(spec, n, threads=1, weight_sync=mode)
-                    try:
-                        times: dict[str, list[float]] = {mode: [] for mode in fleets}
-                        for r in range(args.repeats + 1):
-                            for mode, fleet in fleets.items():
-                                t0 = time.perf_counter()
-                                fleet.sync(model, r + 1)
-                                times[mode].append(time.perf_counter() - t0)
-                    finally:
-                        for fleet in fleets.values():
-                            fleet.close()
-                    for mode, ts in times.items():
-                        row[f"{mode}, {n}"] = statistics.median(ts[1:])
-                    row[f"broadcast first, {n}"] = times["broadcast"][0]
-                out["rows"].append(row)
-                print("sync", json.dumps(row), flush=True)
+                row = {"hidden": hidden, "layers": layers, "params": params}
+                yield row, (path, model, tokenizer)
+                print(section, json.dumps(row), flush=True)
     finally:
         ray.shutdown()
+
+
+def workers_spec(n: int, weight_sync: str, made: Any) -> Any:
+    """The ``WorkersSpec`` of ``n`` one-thread workers synced by ``weight_sync`` for a
+    model ``sync_models`` made."""
+    from turnrl.envs import make_env_spec
+    from turnrl.trainer.config import load_config, resolved
+    from turnrl.trainer.loop import WorkersSpec
+
+    path, model, tokenizer = made
+    c = resolved(
+        load_config(None, [f"cluster.rollout_workers={n}", "threads=1",
+                           f"cluster.weight_sync={weight_sync}"])
+    )  # fmt: skip
+    return WorkersSpec(c, make_env_spec(c.env.name, **c.env.options), model, tokenizer, 0, path)
+
+
+def section_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """What the sync and ranks sections' results begin with: the date, the load, rows."""
+    return {
+        "date": time.strftime("%Y-%m-%d"), "load_average_before": os.getloadavg()[0],
+        "repeats": args.repeats, "rows": [],
+    }  # fmt: skip
+
+
+def sync_section(args: argparse.Namespace) -> dict[str, Any]:
+    """``RayRolloutWorkers.sync`` seconds by model size, weight sync and worker count."""
+    from turnrl.distributed.rollout_workers import RayRolloutWorkers
+
+    out = section_meta(args)
+    for row, made in sync_models(args, "sync"):
+        model = made[1]
+        for n in (1, 2):
+            fleets = {}
+            for mode in ("object_store", "broadcast"):
+                spec = workers_spec(n, mode, made)
+                fleets[mode] = RayRolloutWorkers(spec, n, threads=1, weight_sync=mode)
+            try:
+                times: dict[str, list[float]] = {mode: [] for mode in fleets}
+                for r in range(args.repeats + 1):
+                    for mode, fleet in fleets.items():
+                        t0 = time.perf_counter()
+                        fleet.sync(model, r + 1)
+                        times[mode].append(time.perf_counter() - t0)
+            finally:
+                for fleet in fleets.values():
+                    fleet.close()
+            for mode, ts in times.items():
+                row[f"{mode}, {n}"] = statistics.median(ts[1:])
+            row[f"broadcast first, {n}"] = times["broadcast"][0]
+        out["rows"].append(row)
     return out
 
 
@@ -579,66 +602,35 @@ def ranks_section(args: argparse.Namespace) -> dict[str, Any]:
     """A whole weight sync after an update, from 2 learner ranks to 2 torch workers, by
     broadcast: through the driver's model, and from the ranks themselves; the two fleets
     side by side, syncing in turn."""
-    import ray
-
     from turnrl.distributed.driver import GroupLearner
     from turnrl.distributed.ranks_to_workers import FromRanks
     from turnrl.distributed.rollout_workers import RayRolloutWorkers
-    from turnrl.envs import make_env_spec
-    from turnrl.models import load_tokenizer
-    from turnrl.models.tiny import TinyModelConfig, build_tiny_model
-    from turnrl.trainer.config import load_config, resolved
-    from turnrl.trainer.loop import WorkersSpec
 
-    shapes = SYNC_MODELS[:1] if args.smoke else SYNC_MODELS
-    out: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "load_average_before": os.getloadavg()[0],
-        "repeats": args.repeats, "rows": [],
-    }  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        with tempfile.TemporaryDirectory(prefix="scale-ranks-") as tmp:
-            for hidden, layers in shapes:
-                shape = TinyModelConfig(
-                    hidden_size=hidden, num_layers=layers, num_heads=4, vocab_size=1024,
-                    intermediate_size=hidden * 3,
-                )  # fmt: skip
-                path = build_tiny_model(Path(tmp) / f"m{hidden}x{layers}", shape)
-                model, tokenizer = load_model(path, dtype=torch.float32), load_tokenizer(path)
-                row: dict[str, Any] = {
-                    "hidden": hidden, "layers": layers,
-                    "params": sum(p.numel() for p in model.parameters()),
-                }  # fmt: skip
-                c = resolved(
-                    load_config(None, ["cluster.rollout_workers=2", "threads=1",
-                                       "cluster.weight_sync=broadcast"])
-                )  # fmt: skip
-                spec = WorkersSpec(c, make_env_spec(c.env.name), model, tokenizer, 0, path)
-                group = LearnerGroup(path, CONFIG, num_ranks=2, temperature=1.0, num_threads=1)
-                fleets: dict[str, Any] = {}
-                try:
-                    learner = GroupLearner(group, model)
-                    for way in RANKS_SYNC:
-                        fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
-                    fleets["from the ranks"].send_from_ranks(FromRanks(learner))
-                    times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
-                    for r in range(args.repeats + 1):  # the first forms the groups
-                        for way, fleet in fleets.items():
-                            t0 = time.perf_counter()
-                            if way == "through the driver":  # what GroupLearner did
-                                model.load_state_dict(group.full_state_dict())
-                            fleet.sync(model, r + 1)
-                            times[way].append(time.perf_counter() - t0)
-                finally:
-                    for fleet in fleets.values():
-                        fleet.close()
-                    group.close()
-                for way, ts in times.items():
-                    row[way] = statistics.median(ts[1:])
-                out["rows"].append(row)
-                print("ranks", json.dumps(row), flush=True)
-    finally:
-        ray.shutdown()
+    out = section_meta(args)
+    for row, made in sync_models(args, "ranks"):
+        path, model, _ = made
+        spec = workers_spec(2, "broadcast", made)
+        group = LearnerGroup(path, CONFIG, num_ranks=2, temperature=1.0, num_threads=1)
+        fleets: dict[str, Any] = {}
+        try:
+            for way in RANKS_SYNC:
+                fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
+            fleets["from the ranks"].send_from_ranks(FromRanks(GroupLearner(group, model)))
+            times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
+            for r in range(args.repeats + 1):  # the first forms the groups
+                for way, fleet in fleets.items():
+                    t0 = time.perf_counter()
+                    if way == "through the driver":  # what GroupLearner did
+                        model.load_state_dict(group.full_state_dict())
+                    fleet.sync(model, r + 1)
+                    times[way].append(time.perf_counter() - t0)
+        finally:
+            for fleet in fleets.values():
+                fleet.close()
+            group.close()
+        for way, ts in times.items():
+            row[way] = statistics.median(ts[1:])
+        out["rows"].append(row)
     return out
 
 

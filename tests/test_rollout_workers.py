@@ -399,6 +399,19 @@ def sampled_as_in_process(
     assert {v for *_, v in sampled_turns(got)} == {version}
 
 
+def kill_worker_1(workers: RayRolloutWorkers, model: Any, when: str) -> list[int]:
+    """Worker 1 killed now (``when = "before"`` the next sync), or set to die in the
+    middle of the next broadcast (``"during"``: a first sync of ``model`` forms the group);
+    the workers' process ids before."""
+    pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
+    if when == "during":
+        workers.sync(model, 1)  # the group is formed
+        ray.get(workers.actors[1].__ray_call__.remote(dies_in_the_broadcast), timeout=60)
+    else:
+        os.kill(pids[1], signal.SIGKILL)
+    return list(pids)
+
+
 def dies_in_the_broadcast(worker: Any) -> None:
     """Run in a worker (``__ray_call__``): its process exits at the second collective of
     the next broadcast (one per tensor: the test sets the buckets' size to 1 byte), as a
@@ -437,12 +450,7 @@ def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
         weight_sync=sync,
     )  # fmt: skip
     try:
-        pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
-        if when == "during":
-            workers.sync(model, 1)  # the group is formed
-            ray.get(workers.actors[1].__ray_call__.remote(dies_in_the_broadcast), timeout=60)
-        else:
-            os.kill(pids[1], signal.SIGKILL)
+        pids = kill_worker_1(workers, model, when)
         updated(model)
         workers.sync(model, 7)
         restarts = 2 if when == "during" else 1
@@ -482,12 +490,7 @@ def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weig
     )  # fmt: skip
     try:
         workers.send_from_ranks(FromRanks(learner))
-        pids = ray.get([a.pid.remote() for a in workers.actors], timeout=60)
-        if when == "during":
-            workers.sync(driver_model, 1)  # the group is formed
-            ray.get(workers.actors[1].__ray_call__.remote(dies_in_the_broadcast), timeout=60)
-        else:
-            os.kill(pids[1], signal.SIGKILL)
+        pids = kill_worker_1(workers, driver_model, when)
         before = copy.deepcopy(driver_model.state_dict())
         learner.step_samples(samples(6, seed=2), advantages(6), pad_id=0)  # the ranks only
         assert all(torch.equal(v, before[k]) for k, v in driver_model.state_dict().items())
