@@ -375,6 +375,12 @@ class PythonInterpreter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
+        # A process the code left behind (out of the killed group) may still hold the
+        # output pipe open: close our end now, not when the transport is collected
+        # (asyncio then warns "unclosed transport", which failed a test run at exit).
+        transport = getattr(proc, "_transport", None)
+        if transport is not None:
+            transport.close()
         self._held.proc = None
         self._interpreter_pid, self._keep = 0, frozenset()
 
