@@ -18,10 +18,12 @@ from turnrl.cli import main
 from turnrl.errors import ConfigError
 from turnrl.models import load_model
 from turnrl.models.lora import (
+    adapter_plan,
     adapters_off,
     add_lora,
     is_lora,
     load_adapters,
+    merge_adapters,
     merged_state_dict,
     save_adapters,
 )
@@ -87,6 +89,85 @@ def test_merged_weights_give_the_adapted_model(tiny_model_dir: Path) -> None:
     assert (adapted - plain).abs().max() < 1e-5
     assert is_lora(model)
     assert not is_lora(merged)
+
+
+def moved_off_zero(model: Any, seed: int = 0) -> Any:
+    """``model``'s adapters drawn away from their zero start: B, and an embedding's A
+    (peft starts those at zero instead)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def peft_merged(model: Any) -> dict[str, torch.Tensor]:
+    """peft's own merge of ``model``'s adapters (``merge_and_unload``), on a copy."""
+    import copy
+
+    import peft
+
+    wrapped = peft.PeftModel(copy.deepcopy(model), model.peft_config["default"])
+    wrapped.load_state_dict(
+        {f"base_model.model.{k}": v for k, v in model.state_dict().items()}, strict=True
+    )
+    return dict(wrapped.merge_and_unload().state_dict())
+
+
+@pytest.mark.parametrize("kind", ["qwen2 all-linear", "gpt2 conv1d", "embedding"])
+def test_the_merge_is_peft_s_own(kind: str, tiny_model_dir: Path) -> None:
+    """``merged_state_dict`` equals peft's ``merge_and_unload`` on the weights, for linear
+    layers, GPT-2's Conv1D (its weight stored transposed: ``fan_in_fan_out``) and an
+    embedding's adapter (peft's ``lora_embedding_A``/``B``)."""
+    if kind == "gpt2 conv1d":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        base = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
+        targets = ["c_attn", "c_fc"]
+    elif kind == "embedding":  # untied: an adapter on a tied embedding is refused
+        base = load_model(tiny_model_dir)
+        base.config.tie_word_embeddings = False
+        base.lm_head.weight = torch.nn.Parameter(base.lm_head.weight.detach().clone())
+        targets = ["embed_tokens", "q_proj"]
+    else:
+        base = load_model(tiny_model_dir)
+        targets = ["all-linear"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note that Conv1D needs fan_in_fan_out
+        model = moved_off_zero(add_lora(base, rank=4, alpha=8.0, target_modules=targets))
+        expected = peft_merged(model)
+    got = merged_state_dict(model)
+    assert got.keys() == expected.keys()
+    assert all(torch.allclose(got[k], expected[k], atol=1e-6) for k in got)
+    unmerged = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()}
+    moved = [k for k in got if (got[k] - unmerged[k]).abs().max() > 1e-3]
+    plan = adapter_plan(model)
+    assert sorted(moved) == sorted(k.replace(".base_layer.", ".") for k in plan)
+    if kind == "gpt2 conv1d":
+        assert all(transposed for _, _, _, transposed in plan.values())
+    if kind == "embedding":
+        assert "model.embed_tokens.weight" in moved
+
+
+def test_an_adapter_on_a_tied_embedding_is_refused(tiny_model_dir: Path) -> None:
+    """The tiny model's input embedding is its output layer: an adapter there would move
+    the lookup and not the logits, and no merged model would be the policy."""
+    with pytest.raises(
+        ConfigError,
+        match=r"model.embed_tokens.base_layer.weight and "
+        r"lm_head.weight are one weight \(tied\)",
+    ):
+        add_lora(load_model(tiny_model_dir), rank=4, alpha=8.0, target_modules=["embed_tokens"])
+
+
+def test_a_lora_weight_the_plan_does_not_cover_is_an_error(tiny_model_dir: Path) -> None:
+    model = lora_model(tiny_model_dir)
+    plan = adapter_plan(model)
+    dropped = next(iter(plan))
+    with pytest.raises(ValueError, match="belongs to no adapted weight"):
+        merge_adapters(dict(model.state_dict()), {k: v for k, v in plan.items() if k != dropped})
 
 
 def test_the_reference_is_the_base_with_adapters_off(tiny_model_dir: Path, tokenizer: Any) -> None:

@@ -922,6 +922,30 @@ def test_a_lora_policy_samples_on_a_worker_as_in_process(tmp_path: Path, local_r
     assert max(float(v.abs().max()) for k, v in adapters.items() if "lora_B" in k) > 1e-3
 
 
+def test_the_ranks_send_a_lora_policy_s_merged_weights_to_the_workers(
+    tmp_path: Path, local_ray: None
+) -> None:
+    """With LoRA, rank 0 merges the adapters into the gathered weights before it sends
+    them (lora.py's ``merge_adapters``, which the driver's ``engine_weights`` uses too):
+    the run is the one synced through the driver's model exactly, and the adapters the
+    checkpoints hold (the driver's model brought up to date) are the same."""
+    out = {}
+    for name, sync in (("direct", BROADCAST), ("driver", OBJECT_STORE)):
+        out[name] = tmp_path / name
+        c = config(2, sync, "cluster.learner_ranks=2", *LORA)
+        train(c, out=out[name], progress=False)
+    direct, driver = rows(out["direct"]), rows(out["driver"])
+    assert [deterministic(r) for r in direct] == [deterministic(r) for r in driver]
+    assert episodes(out["direct"]) == episodes(out["driver"])
+    assert all("perf/weight_sync_s" not in r and r["perf/rollout_sync_s"] > 0 for r in direct[1:])
+    assert all(r["perf/weight_sync_s"] > 0 for r in driver[1:])
+    saved = [load_file(out[k] / "checkpoints" / "step_000003" / "model" / ADAPTERS)
+             for k in ("direct", "driver")]  # fmt: skip
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+    assert max(float(v.abs().max()) for k, v in saved[0].items() if "lora_B" in k) > 1e-3
+
+
 def test_shards_are_contiguous_and_cover_every_task() -> None:
     assert contiguous_shards(5, 2) == [(0, 3), (3, 5)]
     assert contiguous_shards(1, 3) == [(0, 1), (1, 1), (1, 1)]

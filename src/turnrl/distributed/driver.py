@@ -28,7 +28,7 @@ critic beside them: a value head, or a value model that starts as the driver's p
 
 From the driver's model the weights go on to the rollout workers as
 ``cluster.weight_sync`` says (rollout_workers.py): through Ray's object store, or by a
-broadcast of their own. A synchronous run's broadcast without LoRA skips the driver
+broadcast of their own. A synchronous run's broadcast skips the driver
 (``sends_from_ranks``): the ranks send the weights to the workers themselves
 (ranks_to_workers.py), and the driver's model is brought up to date only when it is read
 (a checkpoint, a replacement worker's start weights).
@@ -119,15 +119,10 @@ def train(
 
 def sends_from_ranks(config: Config, weight_sync: str) -> bool:
     """Whether the learner's ranks send the weights to the rollout workers themselves
-    (ranks_to_workers.py): a synchronous run's broadcast, the policy without LoRA. An
-    asynchronous run publishes a copy of the driver's model for the workers to take while
-    the next update runs, and a LoRA policy's sync sends its merged weights: both go
-    through the driver's model."""
-    return (
-        weight_sync == "broadcast"
-        and config.algorithm.max_staleness == 0
-        and config.model.lora.rank == 0
-    )
+    (ranks_to_workers.py): a synchronous run's broadcast (LoRA or not). An asynchronous run
+    publishes a copy of the driver's model for the workers to take while the next update
+    runs: its syncs go through the driver's model."""
+    return weight_sync == "broadcast" and config.algorithm.max_staleness == 0
 
 
 def _with_adapters(load: Callable[[], Any], **lora: Any) -> Any:

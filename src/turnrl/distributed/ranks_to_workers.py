@@ -9,11 +9,14 @@ rank 0 to the driver through a pipe, into the driver's model, and from there to 
 workers: one hop and two copies of the whole model more per sync, and a driver that must
 hold the weights, on a GPU where they are sent over NCCL.
 
+A LoRA policy's adapters are merged on rank 0 (lora.py's ``merge_adapters``, the function
+the driver's ``engine_weights`` uses): the workers get the same weights either way.
+
 The driver's model then lags the learner's weights: it is brought up to date only when
 something reads it (``FromRanks.refresh``: a checkpoint, a replacement worker's start
 weights). Where the driver's model is what the workers sample from a copy of (an
-asynchronous run's published weights, a LoRA policy's merged ones), syncs go through it
-as before (driver.py says which runs use this path).
+asynchronous run's published weights), syncs go through it as before (driver.py says
+which runs use this path).
 
 The rank side is the ``rank_*`` functions (run by ``LearnerGroup.call`` on every rank);
 the driver's is ``FromRanks``, which ``RayRolloutWorkers`` drives (rollout_workers.py).
@@ -35,6 +38,7 @@ from turnrl.distributed.weight_broadcast import (
     Rendezvous,
 )
 from turnrl.errors import TurnrlError
+from turnrl.models.lora import adapter_plan, is_lora, merge_adapters
 
 _MEMBERS: list[Member] = []
 """On rank 0: its membership of the workers' broadcast group (at most one)."""
@@ -65,7 +69,8 @@ def rank_join(learner: ShardedLearner, rendezvous: Rendezvous) -> str | None:
 
 def rank_send(learner: ShardedLearner, layout: Layout, n: int) -> str | None:
     """On every rank: the whole weights gathered to rank 0 (a collective of the learner's
-    ranks), which sends them as sync ``n``, in ``layout`` (the workers allocate from it),
+    ranks; a LoRA policy's adapters merged there, as ``engine_weights`` merges them in the
+    driver), which sends them as sync ``n``, in ``layout`` (the workers allocate from it),
     once the driver says "go". Rank 0's answer: None when sent, ``ABORTED`` when called
     off, else what went wrong (a broadcast that failed is the driver's to handle, not an
     error of the rank; weights that do not fit the layout are not sent: rank 0 answers
@@ -73,6 +78,8 @@ def rank_send(learner: ShardedLearner, layout: Layout, n: int) -> str | None:
     whole = whole_weights(learner.root)
     if dist.get_rank() != 0:
         return None
+    if is_lora(learner.root):  # the workers sample a plain model: the adapters merged
+        whole = merge_adapters(whole, adapter_plan(learner.root))
     if not _MEMBERS:
         return "rank 0 is in no weight broadcast group"
     member = _MEMBERS[0]

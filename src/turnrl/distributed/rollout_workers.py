@@ -59,7 +59,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -532,39 +532,30 @@ class RayRolloutWorkers:
         ranks = self._ranks
         n = coordinator.next_sync
         sending = ranks.send(layout, n)
-
-        def failed() -> list[int]:  # member 0 is the ranks' call: done before "go" = failed
-            return ([0] if sending.done() else []) + self._finished(calls)
-
-        try:
-            coordinator.open(failed)
-        except BroadcastAborted as exc:
-            answer = ranks.answer(sending)  # rank 0 has its word: it answers at once
-            if answer is None or answer == ABORTED:
-                raise
-            raise BroadcastError(f"the learner's rank 0: {answer}") from exc
-        answer = ranks.answer(sending)
-        if answer is not None:
-            raise BroadcastError(f"the learner's rank 0 did not send sync {n}: {answer}")
+        failed = functools.partial(self._finished, calls, sending)
+        self._with_rank0(
+            functools.partial(coordinator.open, failed), sending, f"did not send sync {n}"
+        )
 
     @property
     def _backend(self) -> str:
         return backend_for(self.device)
 
-    def _connect(self, sender: Coordinator, failed: Any, joined: Any) -> None:
-        """``sender.connect``, and where the learner's rank 0 is member 0, its answer to
-        ``joined``, its call to join (called off or not, it has its word: it answers at
-        once). ``BroadcastError`` naming rank 0's problem if it did not join."""
+    def _with_rank0(self, step: Callable[[], object], call: Any, what: str) -> None:
+        """``step()``, this process's part of a group's forming or of a sync, where the
+        learner's rank 0 may be member 0 (``call``: its ``FromRanks`` call, or None), then
+        rank 0's answer: called off or not, it has its word and answers at once.
+        ``BroadcastError`` saying that rank 0 ``what``, with its problem, if it had one."""
         try:
-            sender.connect(failed=failed)
+            step()
         except BroadcastAborted as exc:
-            answer = self._ranks.answer(joined) if joined is not None else None
+            answer = self._ranks.answer(call) if call is not None else None
             if answer is None or answer == ABORTED:
                 raise
-            raise BroadcastError(f"the learner's rank 0 did not join: {answer}") from exc
-        answer = self._ranks.answer(joined) if joined is not None else None
+            raise BroadcastError(f"the learner's rank 0 {what}: {answer}") from exc
+        answer = self._ranks.answer(call) if call is not None else None
         if answer is not None:
-            raise BroadcastError(f"the learner's rank 0 did not join: {answer}")
+            raise BroadcastError(f"the learner's rank 0 {what}: {answer}")
 
     def _form_group(self, direct: bool = False) -> Coordinator:
         """A new broadcast group of every worker and this process (``direct``: of the
@@ -582,13 +573,9 @@ class RayRolloutWorkers:
                 a.join_broadcast.remote(sender.rendezvous, w + 1) for w, a in enumerate(self.actors)
             ]
             joined = self._ranks.join(sender.rendezvous) if direct else None
-
-            def failed(joins: list[Any] = joins, joined: Any = joined) -> list[int]:
-                early = joined is not None and joined.done()  # before "go": a failure
-                return ([0] if early else []) + self._finished(joins)
-
+            failed = functools.partial(self._finished, joins, joined)
             try:
-                self._connect(sender, failed, joined)
+                self._with_rank0(functools.partial(sender.connect, failed), joined, "did not join")
             except BroadcastError as exc:
                 sender.close()
                 problem = str(exc)
@@ -627,11 +614,13 @@ class RayRolloutWorkers:
                 errors.append(str(exc).strip().splitlines()[-1])
         return errors
 
-    def _finished(self, calls: list[Any]) -> list[int]:
-        """The ranks (worker + 1) whose ``calls`` have already returned (before a
-        broadcast's "go" that can only be a failure)."""
+    def _finished(self, calls: list[Any], rank0: Any = None) -> list[int]:
+        """The group's members whose calls have already returned (before a broadcast's
+        "go" that can only be a failure): worker w's (``calls``) as member w + 1, and the
+        learner's rank 0 as member 0 (``rank0``: its ``FromRanks`` call, where it is)."""
         done, _ = self.ray.wait(calls, num_returns=len(calls), timeout=0)
-        return [calls.index(ref) + 1 for ref in done]
+        early = [0] if rank0 is not None and rank0.done() else []
+        return early + [calls.index(ref) + 1 for ref in done]
 
     def _replace_unfinished(self, calls: list[Any], grace_s: float) -> None:
         """After a failed broadcast or group: replace every worker whose call (one per

@@ -10,7 +10,8 @@ passes, the torch sampler and the key/value cache code need no second path. What
   ``adapter_config.json`` + ``adapter_model.safetensors``, loadable by peft itself);
 - ``merged_state_dict``: the base model's parameter names with ``W + scale * B @ A`` in
   place of each adapted weight, which is what an inference engine (vLLM) is given, and what
-  ``turnrl export`` writes.
+  ``turnrl export`` writes; ``merge_adapters`` does the same to weights gathered whole from
+  a sharded model's ranks, by the model's ``adapter_plan``.
 
 peft is an optional dependency (the ``lora`` extra); it is imported only when LoRA is used.
 """
@@ -18,6 +19,7 @@ peft is an optional dependency (the ``lora`` extra); it is imported only when Lo
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,11 +76,33 @@ def add_lora(
     if base_path:  # peft records the model's own name_or_path as the adapters' base
         model.name_or_path = str(base_path)
     try:
-        wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER)
+        with warnings.catch_warnings():  # a tied adapted layer: refused below, more plainly
+            warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`")
+            wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER)
     except ValueError as exc:  # e.g. a target module the model does not have
         raise ConfigError(f"model.lora: {exc}") from exc
     adapted: Any = wrapped.get_base_model()  # the same object, adapters injected
+    _refuse_tied_adapters(adapted)
     return adapted
+
+
+def _refuse_tied_adapters(model: Any) -> None:
+    """``ConfigError`` if an adapted weight is shared with another module (an input
+    embedding tied to the output layer): its adapter changes one use and not the other, so
+    no merged model (what an engine samples from, what ``turnrl export`` writes) is the
+    trained policy."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for layer in _tuner_layers(model):
+        weight = getattr(layer.get_base_layer(), "weight", None)
+        shared = names.get(id(weight), []) if weight is not None else []
+        if len(shared) > 1:
+            raise ConfigError(
+                f"model.lora: {' and '.join(shared)} are one weight (tied), and an adapter "
+                "on it would change only one of its uses: no merged model would be the "
+                "trained policy. Leave that module out of model.lora.target_modules."
+            )
 
 
 def is_lora(model: Any) -> bool:
@@ -184,15 +208,57 @@ def adapter_base(directory: str | Path) -> Path:
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapted weight merged (``W + scale * B @ A``),
     under the base model's parameter names; ``model`` itself is left unchanged."""
-    deltas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if hasattr(module, "get_delta_weight") and ADAPTER in getattr(module, "lora_A", {}):
-                deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(ADAPTER)
-        out: dict[str, torch.Tensor] = {}
-        for key, value in model.state_dict().items():
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+    return merge_adapters(state, adapter_plan(model))
+
+
+MergeStep = tuple[str, str, float, bool]
+"""How one adapted weight is merged: the keys of its A and B, its scale, and whether
+``B @ A`` is transposed to the weight's layout."""
+
+
+def adapter_plan(model: Any) -> dict[str, MergeStep]:
+    """For each adapted weight of ``model`` (its state dict's key): how ``merge_adapters``
+    merges it. Read from the adapter layers' own settings (peft's ``scaling``, and
+    ``fan_in_fan_out`` for a layer that stores its weight transposed, as GPT-2's Conv1D
+    does); a sharded model gives the same plan (the settings are not sharded)."""
+    plan: dict[str, MergeStep] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if ADAPTER in getattr(module, "lora_A", {}):
+            plan[f"{prefix}base_layer.weight"] = (
+                f"{prefix}lora_A.{ADAPTER}.weight", f"{prefix}lora_B.{ADAPTER}.weight",
+                float(module.scaling[ADAPTER]), bool(getattr(module, "fan_in_fan_out", False)),
+            )  # fmt: skip
+        elif ADAPTER in getattr(module, "lora_embedding_A", {}):  # an embedding's: (V, H)
+            plan[f"{prefix}base_layer.weight"] = (
+                f"{prefix}lora_embedding_A.{ADAPTER}", f"{prefix}lora_embedding_B.{ADAPTER}",
+                float(module.scaling[ADAPTER]), True,
+            )  # fmt: skip
+    return plan
+
+
+def merge_adapters(
+    state: dict[str, torch.Tensor], plan: dict[str, MergeStep]
+) -> dict[str, torch.Tensor]:
+    """``state`` (a LoRA model's state dict, or its weights gathered whole from shards)
+    as the base model's: each weight in ``plan`` plus ``scale * B @ A`` (in float32 where
+    the weights are half precision), the adapters dropped, the base model's names. Raises
+    ``ValueError`` for an adapter the plan does not cover (it would be lost silently)."""
+    out: dict[str, torch.Tensor] = {}
+    covered = {key for a, b, _, _ in plan.values() for key in (a, b)}
+    with torch.no_grad():
+        for key, value in state.items():
             if ".lora_" in key:
+                if key not in covered:
+                    raise ValueError(f"the LoRA weight {key} belongs to no adapted weight")
                 continue
-            merged = value + deltas[key] if key in deltas else value
-            out[key.replace(".base_layer.", ".")] = merged.detach()
+            if key in plan:
+                a, b, scale, transposed = plan[key]
+                wide = torch.float32 if value.dtype in (torch.float16, torch.bfloat16) else None
+                product = state[b].to(wide) @ state[a].to(wide) if wide else state[b] @ state[a]
+                delta = (product.T if transposed else product) * scale
+                value = value + delta.to(value.dtype)
+            out[key.replace(".base_layer.", ".")] = value
     return out
