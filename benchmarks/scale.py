@@ -596,42 +596,66 @@ def sync_table(sync: dict[str, Any]) -> list[str]:
 RANKS_SYNC = ("through the driver", "from the ranks")
 """The ranks section's two ways: the weights gathered into the driver's model, then
 broadcast from it; or broadcast by rank 0 itself, the driver only coordinating."""
+RANKS_LORA = {"rank": 16, "alpha": 32.0, "target_modules": ("all-linear",)}
+"""The ranks section's LoRA policy: rank-16 adapters on every linear layer."""
 
 
 def ranks_section(args: argparse.Namespace) -> dict[str, Any]:
     """A whole weight sync after an update, from 2 learner ranks to 2 torch workers, by
     broadcast: through the driver's model, and from the ranks themselves; the two fleets
-    side by side, syncing in turn."""
-    from turnrl.distributed.driver import GroupLearner
-    from turnrl.distributed.ranks_to_workers import FromRanks
-    from turnrl.distributed.rollout_workers import RayRolloutWorkers
-
+    side by side, syncing in turn. The same for a LoRA policy (``RANKS_LORA``), whose
+    sync sends the merged weights."""
     out = section_meta(args)
     for row, made in sync_models(args, "ranks"):
-        path, model, _ = made
-        spec = workers_spec(2, "broadcast", made)
-        group = LearnerGroup(path, CONFIG, num_ranks=2, temperature=1.0, num_threads=1)
-        fleets: dict[str, Any] = {}
-        try:
-            for way in RANKS_SYNC:
-                fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
-            fleets["from the ranks"].send_from_ranks(FromRanks(GroupLearner(group, model)))
-            times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
-            for r in range(args.repeats + 1):  # the first forms the groups
-                for way, fleet in fleets.items():
-                    t0 = time.perf_counter()
-                    if way == "through the driver":  # what GroupLearner did
-                        model.load_state_dict(group.full_state_dict())
-                    fleet.sync(model, r + 1)
-                    times[way].append(time.perf_counter() - t0)
-        finally:
-            for fleet in fleets.values():
-                fleet.close()
-            group.close()
-        for way, ts in times.items():
-            row[way] = statistics.median(ts[1:])
+        for lora in (False, True):
+            for way, seconds in ranks_sync_times(args, made, lora).items():
+                row[f"LoRA, {way}" if lora else way] = seconds
         out["rows"].append(row)
     return out
+
+
+def ranks_sync_times(args: argparse.Namespace, made: Any, lora: bool) -> dict[str, float]:
+    """Each of ``RANKS_SYNC``'s median seconds for the model ``made`` (with ``lora``, its
+    LoRA policy: adapters moved off zero, so the merge is not a no-op)."""
+    import functools
+
+    from turnrl.distributed.driver import GroupLearner, _with_adapters
+    from turnrl.distributed.ranks_to_workers import FromRanks
+    from turnrl.distributed.rollout_workers import RayRolloutWorkers
+    from turnrl.models.lora import add_lora
+
+    path, model, tokenizer = made
+    source: Any = path
+    if lora:
+        load = functools.partial(load_model, path, dtype=torch.float32)
+        source = functools.partial(_with_adapters, load, **RANKS_LORA)
+        model = add_lora(load(), **RANKS_LORA)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.01)
+        made = (path, model, tokenizer)
+    spec = workers_spec(2, "broadcast", made)
+    group = LearnerGroup(source, CONFIG, num_ranks=2, temperature=1.0, num_threads=1)
+    group.load_weights(model.state_dict())
+    fleets: dict[str, Any] = {}
+    try:
+        for way in RANKS_SYNC:
+            fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
+        fleets["from the ranks"].send_from_ranks(FromRanks(GroupLearner(group, model)))
+        times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
+        for r in range(args.repeats + 1):  # the first forms the groups
+            for way, fleet in fleets.items():
+                t0 = time.perf_counter()
+                if way == "through the driver":  # what GroupLearner.refresh_model does
+                    model.load_state_dict(group.full_state_dict(trainable=lora), strict=not lora)
+                fleet.sync(model, r + 1)
+                times[way].append(time.perf_counter() - t0)
+    finally:
+        for fleet in fleets.values():
+            fleet.close()
+        group.close()
+    return {way: statistics.median(ts[1:]) for way, ts in times.items()}
 
 
 def ranks_table(ranks: dict[str, Any]) -> list[str]:
@@ -643,23 +667,34 @@ def ranks_table(ranks: dict[str, Any]) -> list[str]:
         "",
         f"{ranks['date']}, load average before: {ranks['load_average_before']:.1f}.",
         "",
-        "| model | parameters | through the driver's model s | from the ranks s | ratio |",
-        "|---|---|---|---|---|",
+        "| model | parameters | through the driver's model s | from the ranks s | ratio "
+        "| LoRA, through the driver's model s | LoRA, from the ranks s | LoRA ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in ranks["rows"]:
-        a, b = r["through the driver"], r["from the ranks"]
+        cells = []
+        for prefix in ("", "LoRA, "):
+            a, b = r.get(f"{prefix}through the driver"), r.get(f"{prefix}from the ranks")
+            cells += (
+                ["-"] * 3 if a is None or b is None else [f"{a:.3f}", f"{b:.3f}", f"{b / a:.2f}x"]
+            )
         lines.append(
-            f"| {r['hidden']} x {r['layers']} | {r['params'] / 1e6:.2f}M | {a:.3f} | {b:.3f} "
-            f"| {b / a:.2f}x |"
+            f"| {r['hidden']} x {r['layers']} | {r['params'] / 1e6:.2f}M | "
+            + " | ".join(cells)
+            + " |"
         )
     lines += [
         "",
         "Timed from the driver, from the end of an update to the weights loaded in every "
         "worker's engine. Through the driver's model: the ranks gather the weights to rank "
         "0, which sends them to the driver through a pipe; the driver copies them into its "
-        "model and broadcasts them (what a run with `algorithm.max_staleness` >= 1 or LoRA "
-        "does). From the ranks: rank 0 broadcasts them itself (ranks_to_workers.py), gloo "
-        "over this machine's loopback.",
+        "model and broadcasts them (what a run with `algorithm.max_staleness` >= 1 does). "
+        "From the ranks: rank 0 broadcasts them itself (ranks_to_workers.py), gloo over "
+        "this machine's loopback. LoRA (rank 16 on every linear layer, parameters counted "
+        "without the adapters): through the driver only the adapters are gathered and sent, "
+        "and the driver merges them into its base; from the ranks, rank 0 keeps the base it "
+        "gathered at the first sync, gathers the adapters and merges them. Either way the "
+        "workers are sent the whole merged weights.",
     ]
     return lines
 

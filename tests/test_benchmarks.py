@@ -314,8 +314,8 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert all(sync[key] > 0 for key in [*timed, "broadcast first, 1", "broadcast first, 2"])
     (ranks,) = data["ranks"]["rows"]
     assert (ranks["hidden"], ranks["layers"]) == (64, 2)
-    assert ranks["through the driver"] > 0
-    assert ranks["from the ranks"] > 0
+    ways = ["through the driver", "from the ranks"]
+    assert all(ranks[way] > 0 and ranks[f"LoRA, {way}"] > 0 for way in ways)
 
 
 CHECKS: dict[str, Check] = {

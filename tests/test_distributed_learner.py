@@ -414,6 +414,81 @@ def test_gathered_weights_equal_the_in_process_model_after_a_step(
     assert max_diff(after, kept) == 0.0
 
 
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ("all-linear",)}
+
+
+def lora_driver(model_dir: Path, seed: int) -> Any:
+    """The driver's LoRA policy, its adapters moved off their zero start."""
+    from turnrl.models.lora import add_lora
+
+    model = add_lora(load_model(model_dir), **LORA)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_group(tiny_model_dir: Path) -> Iterator[LearnerGroup]:
+    """2 ranks training a LoRA policy (the start model with adapters)."""
+    import functools
+
+    from turnrl.distributed.driver import _with_adapters
+
+    source = functools.partial(
+        _with_adapters, functools.partial(load_model, tiny_model_dir), **LORA
+    )
+    with LearnerGroup(source, CONFIG, num_ranks=2, temperature=TEMPERATURE, timeout_s=60) as group:
+        yield group
+
+
+def test_a_lora_group_gives_its_adapters_alone_when_asked_for_what_trains(
+    lora_group: LearnerGroup, tiny_model_dir: Path
+) -> None:
+    """``full_state_dict(trainable=True)`` on a LoRA policy's ranks: the adapters whole,
+    the frozen base left out (what the driver's model takes after each update); the
+    values those of the whole gather, which are the driver's adapters after a load."""
+    driver = lora_driver(tiny_model_dir, seed=0)
+    trains = {n for n, p in driver.named_parameters() if p.requires_grad}
+    lora_group.load_weights(driver.state_dict())
+    adapters, whole = lora_group.full_state_dict(trainable=True), lora_group.full_state_dict()
+    assert adapters.keys() == trains
+    assert all(".lora_" in k for k in adapters)
+    assert len(whole) > len(adapters)
+    assert all(torch.equal(adapters[k], whole[k]) for k in adapters)
+    assert all(torch.equal(adapters[k], driver.state_dict()[k]) for k in adapters)
+
+
+def gathered_for_a_sync(learner: ShardedLearner) -> dict[str, torch.Tensor]:
+    from turnrl.distributed.ranks_to_workers import _gathered
+
+    return _gathered(learner)
+
+
+def test_a_lora_sync_from_the_ranks_keeps_the_base_until_weights_are_loaded(
+    lora_group: LearnerGroup, tiny_model_dir: Path
+) -> None:
+    """What a sync from the ranks merges (ranks_to_workers.py): the whole weights, the
+    frozen base gathered at the first sync and kept, the adapters gathered every time.
+    Loading weights (a resume) drops the kept base: the next sync gathers it again."""
+    driver = lora_driver(tiny_model_dir, seed=1)
+    lora_group.load_weights(driver.state_dict())
+    first = lora_group.call(gathered_for_a_sync)[0]
+    assert max_diff(first, dict(driver.state_dict())) == 0.0
+    lora_group.step(batch())  # the adapters move, the base does not
+    after = lora_group.call(gathered_for_a_sync)[0]
+    assert max_diff(after, lora_group.full_state_dict()) == 0.0
+    assert max_diff(after, first) > 1e-5
+    with torch.no_grad():  # another base: loaded, and so gathered again
+        for name, p in driver.named_parameters():
+            if "base_layer" in name:
+                p.add_(0.01)
+    lora_group.load_weights(driver.state_dict())
+    assert max_diff(lora_group.call(gathered_for_a_sync)[0], dict(driver.state_dict())) == 0.0
+
+
 def test_sampler_gap_and_reference_kl_equal_the_in_process_learners(
     groups: Any, tiny_model_dir: Path
 ) -> None:

@@ -10,7 +10,8 @@ The loop is the in-process one (trainer/loop.py), unchanged: it takes a learner 
 group's ranks. Nothing of the step is repeated here.
 
 Weight sync: after every update the group's whole weights are gathered from the shards
-(``LearnerGroup.full_state_dict``) and copied into the driver's model, in place. The engine
+(``LearnerGroup.full_state_dict``; a LoRA policy's adapters only, its base being frozen)
+and copied into the driver's model, in place. The engine
 samples with that model (the torch backend holds the same object; vLLM is synced from it by
 the step, as in process; with rollout workers their engines take it from there), and the
 step moves the policy version on after it: a version's samples come from that version's
@@ -50,7 +51,7 @@ from turnrl.distributed.rollout_workers import RayRolloutWorkers
 from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
-from turnrl.models.lora import add_lora
+from turnrl.models.lora import add_lora, is_lora
 from turnrl.trainer.checkpoint import CheckpointWriteError, latest_checkpoint
 from turnrl.trainer.config import Config
 from turnrl.trainer.loop import LearnerSpec, RunResult, WorkersSpec
@@ -238,12 +239,24 @@ class GroupLearner:
 
     def refresh_model(self) -> None:
         """``model`` holds the ranks' newest weights: gathered from the shards and copied
-        in, in place (the engine's object keeps them), if it lags them."""
+        in, in place (the engine's object keeps them), if it lags them. A LoRA policy's
+        adapters only: its base is frozen, the same here as on the ranks."""
         if not self._behind:
             return
-        weights = self.group.full_state_dict()
+        lora = is_lora(self.model)
+        weights = self.group.full_state_dict(trainable=lora)
         with torch.no_grad():
-            self.model.load_state_dict(weights)
+            if lora:
+                missing = {n for n, p in self.model.named_parameters() if p.requires_grad}
+                missing -= weights.keys()
+                _, unexpected = self.model.load_state_dict(weights, strict=False)
+                if missing or unexpected:
+                    raise TurnrlError(
+                        "the learner's ranks and the driver train different adapters: "
+                        f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+                    )
+            else:
+                self.model.load_state_dict(weights)
         self._behind = False
 
     def sampler_gap(self, samples: Sequence[Sample], pad_id: int) -> float:

@@ -208,10 +208,12 @@ class LearnerGroup:
                 out[i] = kl
         return out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, trainable: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's weights, gathered from the shards (on the CPU): what an
-        inference engine loads to sample with the new policy."""
-        weights: dict[str, torch.Tensor] = self._call("full_state_dict", [()] * self.num_ranks)[0]
+        inference engine loads to sample with the new policy. With ``trainable``, only
+        the weights that train (a LoRA policy's adapters: its frozen base never changes)."""
+        calls = [(trainable,)] * self.num_ranks
+        weights: dict[str, torch.Tensor] = self._call("full_state_dict", calls)[0]
         return weights
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -231,6 +231,10 @@ class ShardedLearner(Learner):
         self.reference_root = reference
         """The KL reference, an FSDP2 model sharded as the policy is (None: no KL, or the
         LoRA base)."""
+        self.frozen_whole: dict[str, torch.Tensor] | None = None
+        """The weights that do not train (a LoRA policy's base), whole, as a weight sync
+        from the ranks last gathered them (ranks_to_workers.py; rank 0 holds them, other
+        ranks an empty dict); None until then, and again after any load of weights."""
         self._norms: Norms | None = None
         ref = RootCall(reference) if reference is not None else None
         super().__init__(RootCall(root), config, reference=ref, **kwargs)
@@ -563,14 +567,17 @@ _GATHERED: list[Any] = []
 """The FSDP2 models ``gathered`` holds whole now (``in`` compares modules by identity)."""
 
 
-def full_state_dict(learner: ShardedLearner) -> dict[str, torch.Tensor]:
-    """The whole model's weights on rank 0, on the CPU (other ranks: empty)."""
-    return whole_weights(learner.root)
+def full_state_dict(learner: ShardedLearner, trainable: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0, on the CPU (other ranks: empty); with
+    ``trainable``, only the weights that train (a LoRA policy's adapters: the rest is
+    frozen and already known)."""
+    return whole_weights(learner.root, trainable)
 
 
-def whole_weights(root: Any) -> dict[str, torch.Tensor]:
+def whole_weights(root: Any, trainable: bool = False) -> dict[str, torch.Tensor]:
     """``root.state_dict()`` with each sharded weight made whole, on rank 0, as plain CPU
-    tensors (other ranks: empty); tied weights stay one tensor under both names.
+    tensors (other ranks: empty); tied weights stay one tensor under both names. With
+    ``trainable``, only the parameters that require gradients.
 
     Each weight is gathered to rank 0 alone, one blocking ``dist.gather`` of the ranks'
     shards padded to one size, a weight at a time (a rank holds one whole weight at most).
@@ -582,7 +589,10 @@ def whole_weights(root: Any) -> dict[str, torch.Tensor]:
     path was the cause is not established; this one has fewer moving parts, and a dead
     rank's stack is now quoted (learner_group.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    whole = _whole_tree(dict(root.state_dict(keep_vars=True)), rank, world, {})
+    state = dict(root.state_dict(keep_vars=True))
+    if trainable:
+        state = {k: v for k, v in state.items() if getattr(v, "requires_grad", False)}
+    whole = _whole_tree(state, rank, world, {})
     return cast(dict[str, torch.Tensor], whole) if rank == 0 else {}
 
 
@@ -655,6 +665,7 @@ def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     options = StateDictOptions(full_state_dict=True)
+    learner.frozen_whole = None
     set_state_dict(
         learner.root, learner.optimizer, model_state_dict=state["model"],
         optim_state_dict=state["optimizer"], options=options,
@@ -668,6 +679,7 @@ def load_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor]) -> N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     options = StateDictOptions(full_state_dict=True)
+    learner.frozen_whole = None
     set_model_state_dict(learner.root, cast(dict[str, Any], weights), options=options)
 
 

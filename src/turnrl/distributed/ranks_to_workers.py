@@ -10,7 +10,9 @@ workers: one hop and two copies of the whole model more per sync, and a driver t
 hold the weights, on a GPU where they are sent over NCCL.
 
 A LoRA policy's adapters are merged on rank 0 (lora.py's ``merge_adapters``, the function
-the driver's ``engine_weights`` uses): the workers get the same weights either way.
+the driver's ``engine_weights`` uses): the workers get the same weights either way. Its
+frozen base is gathered once, at the first sync, and kept on rank 0 (``_gathered``); each
+later sync gathers only the adapters.
 
 The driver's model then lags the learner's weights: it is brought up to date only when
 something reads it (``FromRanks.refresh``: a checkpoint, a replacement worker's start
@@ -27,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from turnrl.distributed.rank import ShardedLearner, whole_weights
@@ -75,10 +78,11 @@ def rank_send(learner: ShardedLearner, layout: Layout, n: int) -> str | None:
     off, else what went wrong (a broadcast that failed is the driver's to handle, not an
     error of the rank; weights that do not fit the layout are not sent: rank 0 answers
     before it counts itself ready, and the driver calls the sync off)."""
-    whole = whole_weights(learner.root)
+    lora = is_lora(learner.root)
+    whole = _gathered(learner) if lora else whole_weights(learner.root)
     if dist.get_rank() != 0:
         return None
-    if is_lora(learner.root):  # the workers sample a plain model: the adapters merged
+    if lora:  # the workers sample a plain model: the adapters merged
         whole = merge_adapters(whole, adapter_plan(learner.root))
     if not _MEMBERS:
         return "rank 0 is in no weight broadcast group"
@@ -94,6 +98,19 @@ def rank_send(learner: ShardedLearner, layout: Layout, n: int) -> str | None:
         return None if member.send(weights, n) else ABORTED
     except BroadcastError as exc:
         return str(exc)
+
+
+def _gathered(learner: ShardedLearner) -> dict[str, torch.Tensor]:
+    """A LoRA policy's whole weights on rank 0 (a collective): the adapters gathered
+    anew, the frozen base gathered at the first sync and kept (``frozen_whole``: one whole
+    copy of the base in rank 0's CPU memory, which every sync would otherwise gather and
+    free again)."""
+    if learner.frozen_whole is None:
+        whole = whole_weights(learner.root)
+        trains = {n for n, p in learner.root.named_parameters() if p.requires_grad}
+        learner.frozen_whole = {k: v for k, v in whole.items() if k not in trains}
+        return whole
+    return {**learner.frozen_whole, **whole_weights(learner.root, trainable=True)}
 
 
 def rank_leave(learner: ShardedLearner) -> None:
