@@ -120,9 +120,10 @@ def train(
 
 def sends_from_ranks(config: Config, weight_sync: str) -> bool:
     """Whether the learner's ranks send the weights to the rollout workers themselves
-    (ranks_to_workers.py): a synchronous run's broadcast (LoRA or not). An asynchronous run
-    publishes a copy of the driver's model for the workers to take while the next update
-    runs: its syncs go through the driver's model."""
+    (ranks_to_workers.py): a synchronous run's broadcast (LoRA or not). In an asynchronous
+    run the ranks run the next update while the workers sample, and a worker replaced
+    mid-batch loads the version synced, which the ranks no longer hold: its syncs go
+    through the driver's model, which keeps a copy of it."""
     return weight_sync == "broadcast" and config.algorithm.max_staleness == 0
 
 

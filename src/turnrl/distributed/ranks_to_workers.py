@@ -16,9 +16,12 @@ later sync gathers only the adapters.
 
 The driver's model then lags the learner's weights: it is brought up to date only when
 something reads it (``FromRanks.refresh``: a checkpoint, a replacement worker's start
-weights). Where the driver's model is what the workers sample from a copy of (an
-asynchronous run's published weights), syncs go through it as before (driver.py says
-which runs use this path).
+weights). That is safe only while the ranks hold the version the workers sample, as in a
+synchronous run. In an asynchronous run the ranks run the next update while the workers
+sample, so a worker replaced mid-batch must load a version the ranks no longer hold (and
+a read of the ranks would come in the middle of their update): its syncs go through the
+driver's model, which keeps a copy of the version synced (driver.py's
+``sends_from_ranks`` says which runs use this path).
 
 The rank side is the ``rank_*`` functions (run by ``LearnerGroup.call`` on every rank);
 the driver's is ``FromRanks``, which ``RayRolloutWorkers`` drives (rollout_workers.py).

@@ -53,7 +53,8 @@ class LoRAConfig:
     """Scale numerator: the update is ``alpha / rank * B @ A``."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Module names to adapt (e.g. ``["q_proj", "v_proj"]``), or ``["all-linear"]``: every
-    linear layer but the output head."""
+    linear layer but the output head. A module whose weight is tied to another's (an input
+    embedding that is also the output layer) is refused."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
 
