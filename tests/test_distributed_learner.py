@@ -419,15 +419,10 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ("all-linear",)}
 
 def lora_driver(model_dir: Path, seed: int) -> Any:
     """The driver's LoRA policy, its adapters moved off their zero start."""
+    from test_lora import moved_off_zero
     from turnrl.models.lora import add_lora
 
-    model = add_lora(load_model(model_dir), **LORA)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model
+    return moved_off_zero(add_lora(load_model(model_dir), **LORA), seed)
 
 
 @pytest.fixture(scope="module")

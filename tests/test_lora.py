@@ -35,16 +35,22 @@ from turnrl.trainer.loop import train
 IDS = torch.tensor([[5, 17, 40, 9, 33, 21, 8, 60]])
 
 
+def moved_off_zero(model: Any, seed: int = 0) -> Any:
+    """``model``'s adapters drawn away from their zero start: B, and an embedding's A
+    (peft starts those at zero instead)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model
+
+
 def lora_model(model_dir: Path, rank: int = 4, seed: int = 0) -> Any:
     """The tiny model with rank-``rank`` adapters moved off their zero start (B != 0), so
     adapted and base policies differ."""
     model = add_lora(load_model(model_dir), rank=rank, alpha=8.0, target_modules=["all-linear"])
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model
+    return moved_off_zero(model, seed)
 
 
 def logits(model: Any) -> torch.Tensor:
@@ -89,17 +95,6 @@ def test_merged_weights_give_the_adapted_model(tiny_model_dir: Path) -> None:
     assert (adapted - plain).abs().max() < 1e-5
     assert is_lora(model)
     assert not is_lora(merged)
-
-
-def moved_off_zero(model: Any, seed: int = 0) -> Any:
-    """``model``'s adapters drawn away from their zero start: B, and an embedding's A
-    (peft starts those at zero instead)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "lora_embedding_A" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model
 
 
 def peft_merged(model: Any) -> dict[str, torch.Tensor]:
