@@ -233,11 +233,15 @@ def test_two_ranks_checkpointing_activations_give_the_in_process_run(
     assert_close(rows(out["two"]), rows(out["in_process"]))
 
 
-def test_lora_on_two_ranks_gives_the_in_process_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_lora_on_two_ranks_gives_the_in_process_run(tmp_path: Path, staleness: int) -> None:
     """LoRA adapters trained on two ranks (the frozen base sharded with them; the KL
-    reference the base, adapters off): the in-process LoRA run within 1e-5, and its
-    checkpoint holds only the adapters, as in process, equal within a tenth of a step."""
-    lora = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.kl.coef=0.05"]
+    reference the base, adapters off; after each update only the adapters come back to
+    the driver's model, which the engine samples from, one version behind with
+    ``max_staleness`` 1): the in-process LoRA run within 1e-5, and its checkpoint holds
+    only the adapters, as in process, equal within a tenth of a step."""
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.kl.coef=0.05",
+            f"algorithm.max_staleness={staleness}"]  # fmt: skip
     out = {}
     for name, ranks in (("in_process", 0), ("two", 2)):
         out[name] = tmp_path / name
@@ -245,6 +249,7 @@ def test_lora_on_two_ranks_gives_the_in_process_run(tmp_path: Path) -> None:
     got = rows(out["two"])
     assert_close(got, rows(out["in_process"]))
     assert got[-1]["loss/kl"] > 0  # the adapters moved the policy away from the base
+    assert all(r.get("rollout/staleness_1", 0.0) == float(staleness) for r in got[2:])
     two, same = (out[k] / "checkpoints" / "step_000002" for k in ("two", "in_process"))
     assert files(two) == files(same)
     assert "model/adapter_model.safetensors" in files(two)

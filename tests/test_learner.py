@@ -279,6 +279,35 @@ def test_every_loss_option_accumulates_exactly_over_micro_batches(
         assert torch.allclose(whole[name], pieces[name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("correction", ["token_tis", "sequence_tis"])
+def test_off_policy_metrics_are_the_whole_batch_s_whatever_the_micro_batches(
+    model: Any, tokenizer: Any, correction: str
+) -> None:
+    """Extremes are the batch's (not a token-weighted mean of each micro-batch's), means
+    over sequences are weighted by sequences, and a micro-batch with no sampled token
+    changes nothing: one micro-batch, or one row each, give the same metrics."""
+    batch = skewed(rollout_batch(model, tokenizer, tasks=2, group=3), shift=0.2)
+    dead = Batch(
+        batch.input_ids[:1], batch.attention_mask[:1], torch.zeros_like(batch.loss_mask[:1]),
+        batch.old_logprobs[:1], batch.advantages[:1],
+    )  # fmt: skip
+    got = {}
+    for size in (64, 1):
+        learner = Learner(
+            copy.deepcopy(model), algo(off_policy__correction=correction, micro_batch__size=size),
+            temperature=1.0,
+        )  # fmt: skip
+        rows = [batch.select(slice(i, i + size)) for i in range(0, batch.num_sequences, size)]
+        got[size] = learner.step([*rows, dead] if size == 1 else rows)
+    keys = [k for k in got[64] if k.startswith("off_policy/")]
+    assert any(k.endswith("_max") for k in keys)
+    assert any(k.endswith("_min") for k in keys)
+    for key in keys:
+        assert got[1][key] == pytest.approx(got[64][key], rel=1e-5, abs=1e-6), key
+    spread = "tis_ratio" if correction == "token_tis" else "seq_tis_log_ratio"
+    assert got[1][f"off_policy/{spread}_max"] > got[1][f"off_policy/{spread}_mean"]
+
+
 def skewed(batch: Batch, shift: float = 0.0) -> Batch:
     """The batch as if a sampler had given row i's tokens log-probs lower by i * shift."""
     rows = torch.arange(batch.num_sequences, dtype=torch.float32)[:, None]

@@ -69,8 +69,9 @@ returning the model (each rank calls it: it must give every rank the same weight
 
 SUMMED = ("loss/policy", "loss/kl")
 """Metrics each rank computes as its part of the whole batch's value (the global
-normaliser is already in them): summed over ranks."""
-MAXED = ("train/logprob_mismatch_max",)
+normaliser is already in them): summed over ranks. Of the others, a name ending ``_max``
+or ``_min`` is an extreme over ranks, one under ``off_policy/seq_`` a mean over
+sequences, and the rest means over tokens (``combined_metrics``)."""
 SAME = ("train/grad_norm",)
 """Already global: the gradient norm over the sharded gradients of all ranks."""
 
@@ -301,12 +302,9 @@ class ShardedLearner(Learner):
         are the whole batch's, the same on every rank."""
         micro = self.micro_batches(batch)
         tokens = sum(float(mb.loss_mask.sum()) for mb in micro)
+        sequences = sum(float(mb.loss_mask.any(-1).sum()) for mb in micro)
         counts = torch.tensor(
-            [
-                tokens,
-                sum(float(mb.loss_mask.any(-1).sum()) for mb in micro),
-                float(sum(mb.num_sequences for mb in micro)),
-            ],
+            [tokens, sequences, float(sum(mb.num_sequences for mb in micro))],
             dtype=torch.float64,
             device=self.device,
         )
@@ -322,7 +320,7 @@ class ShardedLearner(Learner):
             local = super().step(micro)
         finally:
             self._norms = None
-        return combined_metrics(local, tokens, float(num_tokens), counts, self.device)
+        return combined_metrics(local, tokens, sequences, counts, self.device)
 
     def _reference_logprobs(self, mb: Batch) -> torch.Tensor | None:
         """The learner's, then the reference's root sharded again: FSDP2 keeps a root's
@@ -408,22 +406,40 @@ def empty_batch(device: torch.device) -> Batch:
 def combined_metrics(
     local: dict[str, float],
     local_tokens: float,
-    num_tokens: float,
+    local_sequences: float,
     counts: torch.Tensor,
     device: torch.device,
 ) -> dict[str, float]:
     """The step's metrics over all ranks, as one process would report them: parts of the
-    loss summed, the largest gap the largest of all, the grad norm as it is (global), and
-    the rest (means over this rank's sampled tokens) weighted by each rank's tokens."""
-    keys = sorted(k for k in local if k not in (*SUMMED, *MAXED, *SAME) and "/num_" not in k)
-    summed = [local[k] for k in SUMMED] + [local[k] * local_tokens / num_tokens for k in keys]
+    loss summed, the grad norm as it is (global), extremes (``_max``, ``_min``) the
+    extremes of the ranks that had sampled tokens (0 if none had), means over sequences
+    (``off_policy/seq_``) weighted by each rank's sequences with sampled tokens, and the
+    rest (means over this rank's sampled tokens) weighted by each rank's tokens.
+    ``counts``: the batch's tokens, sequences with tokens, and rows, over all ranks."""
+    num_tokens, num_sequences = float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
+    rest = [k for k in local if k not in (*SUMMED, *SAME) and "/num_" not in k]
+    maxed = sorted(k for k in rest if k.endswith("_max"))
+    minned = sorted(k for k in rest if k.endswith("_min"))
+    keys = sorted(k for k in rest if k not in (*maxed, *minned))
+    summed = [local[k] for k in SUMMED] + [
+        local[k] * (local_sequences / num_sequences if k.startswith("off_policy/seq_")
+                    else local_tokens / num_tokens)
+        for k in keys
+    ]  # fmt: skip
     sums = torch.tensor(summed, dtype=torch.float64, device=device)
     dist.all_reduce(sums)
-    maxima = torch.tensor([local[k] for k in MAXED], dtype=torch.float64, device=device)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     out = dict(local)
     out.update(zip([*SUMMED, *keys], sums.tolist(), strict=True))
-    out.update(zip(MAXED, maxima.tolist(), strict=True))
+    # A rank without sampled tokens has no extreme: the identity of the reduction instead.
+    for names, op, identity in ((maxed, dist.ReduceOp.MAX, -math.inf),
+                                (minned, dist.ReduceOp.MIN, math.inf)):  # fmt: skip
+        if not names:  # the same names on every rank: all skip, or none does
+            continue
+        values = [local[k] if local_tokens > 0 else identity for k in names]
+        extremes = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(extremes, op=op)
+        reduced = zip(names, extremes.tolist(), strict=True)
+        out.update((k, 0.0 if math.isinf(v) else v) for k, v in reduced)
     out["train/num_tokens"] = float(counts[0])
     out["train/num_sequences"] = float(counts[2])
     return out

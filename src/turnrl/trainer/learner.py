@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -321,7 +322,11 @@ class Learner:
             passes = [self._pass(micro, norms, proximal, refs) for _ in range(cfg.epochs)]
         totals, grad_norm = passes[0]
         clipped = sum(t["clipped"] for t, _ in passes) / len(passes)
-        off_policy = {k: v for k, v in totals.items() if k.startswith("off_policy/")}
+        off_policy = {
+            k: 0.0 if math.isinf(v) else v  # an extreme over no sampled token: 0
+            for k, v in totals.items()
+            if k.startswith("off_policy/")
+        }
         return {
             **off_policy,
             "loss/policy": totals["loss"],
@@ -422,12 +427,38 @@ class Learner:
                 totals["clipped"] += float(masked_mean(out.clipped.float(), mb.loss_mask) * share)
                 totals["abs_gap"] += float(gap.sum() / num_tokens)
                 totals["max_gap"] = max(totals["max_gap"], float(gap.max()))
-                for name, value in off_policy.items():
-                    key = f"off_policy/{name}"
-                    totals[key] = totals.get(key, 0.0) + float(value) * float(share)
+                seq_share = float(mb.loss_mask.any(-1).sum() / norms[1])
+                sampled = bool(mb.loss_mask.any())
+                fold_off_policy(totals, off_policy, float(share), seq_share, sampled)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.optimizer.step()
         return totals, float(grad_norm)
+
+
+def fold_off_policy(
+    totals: dict[str, float],
+    metrics: dict[str, Any],
+    token_share: float,
+    seq_share: float,
+    sampled: bool,
+) -> None:
+    """One micro-batch's off-policy ``metrics`` folded into the batch's ``totals`` (under
+    ``off_policy/``), so that they are the whole batch's whatever its micro-batches: an
+    extreme (a name ending ``_max`` or ``_min``) over the micro-batches with sampled tokens
+    (``sampled``; ±inf until one has them); a mean over sequences (``seq_``) weighted by the
+    micro-batch's share of the batch's sequences; any other mean by its share of the
+    tokens."""
+    for name, value in metrics.items():
+        key = f"off_policy/{name}"
+        if name.endswith(("_max", "_min")):
+            largest = name.endswith("_max")
+            kept = totals.get(key, -math.inf if largest else math.inf)
+            if sampled:
+                kept = max(kept, float(value)) if largest else min(kept, float(value))
+            totals[key] = kept
+        else:
+            share = seq_share if name.startswith("seq_") else token_share
+            totals[key] = totals.get(key, 0.0) + float(value) * share
 
 
 def auto_token_budget(model: Any, free_bytes: int | None = None) -> int:
