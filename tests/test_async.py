@@ -274,12 +274,20 @@ def test_the_bound_is_checked() -> None:
 
 
 def test_k1_with_the_learner_on_two_ranks(tmp_path: Path) -> None:
+    """One version stale with the learner on two ranks: stale batches, corrected, the
+    group's weights synced to the sampler; the in-process run's metrics within 1e-5, the
+    off-policy correction's included (its extremes are over ranks)."""
     import turnrl
+    from test_distributed_train import assert_close
 
-    settings = [*MOVING, "steps=3", "algorithm.max_staleness=1", "cluster.learner_ranks=2"]
-    turnrl.train(None, out=tmp_path / "run", overrides=settings, progress=False)
-    steps = [r for r in rows(tmp_path / "run") if r["step"] >= 2]
-    for r in steps:  # stale batches, corrected, the group's weights synced to the sampler
+    settings = [*MOVING, "steps=3", "algorithm.max_staleness=1"]
+    for name, ranks in (("run", 2), ("in_process", 0)):
+        more = [*settings, f"cluster.learner_ranks={ranks}"]
+        turnrl.train(None, out=tmp_path / name, overrides=more, progress=False)
+    got = rows(tmp_path / "run")
+    for r in [r for r in got if r["step"] >= 2]:
         assert r["rollout/staleness_1"] == 1.0
         assert r["train/logprob_mismatch_max"] > 1e-6
+        assert r["off_policy/tis_ratio_max"] > 1.0 > r["off_policy/tis_ratio_min"]
         assert r["perf/weight_sync_s"] > 0
+    assert_close(got, rows(tmp_path / "in_process"))
