@@ -511,9 +511,9 @@ def sync_models(args: argparse.Namespace, section: str) -> Iterator[tuple[dict[s
         ray.shutdown()
 
 
-def workers_spec(n: int, weight_sync: str, made: Any) -> Any:
+def workers_spec(n: int, weight_sync: str, made: Any, *more: str) -> Any:
     """The ``WorkersSpec`` of ``n`` one-thread workers synced by ``weight_sync`` for a
-    model ``sync_models`` made."""
+    model ``sync_models`` made (``more``: the run's other settings)."""
     from turnrl.envs import make_env_spec
     from turnrl.trainer.config import load_config, resolved
     from turnrl.trainer.loop import WorkersSpec
@@ -521,7 +521,7 @@ def workers_spec(n: int, weight_sync: str, made: Any) -> Any:
     path, model, tokenizer = made
     c = resolved(
         load_config(None, [f"cluster.rollout_workers={n}", "threads=1",
-                           f"cluster.weight_sync={weight_sync}"])
+                           f"cluster.weight_sync={weight_sync}", *more])
     )  # fmt: skip
     return WorkersSpec(c, make_env_spec(c.env.name, **c.env.options), model, tokenizer, 0, path)
 
@@ -598,25 +598,31 @@ RANKS_SYNC = ("through the driver", "from the ranks")
 broadcast from it; or broadcast by rank 0 itself, the driver only coordinating."""
 RANKS_LORA = {"rank": 16, "alpha": 32.0, "target_modules": ("all-linear",)}
 """The ranks section's LoRA policy: rank-16 adapters on every linear layer."""
+RANKS_CASES = (("", False, 0), ("LoRA, ", True, 0), ("k = 1, ", False, 1))
+"""The ranks section's cases: (its keys' prefix, LoRA, ``algorithm.max_staleness``)."""
 
 
 def ranks_section(args: argparse.Namespace) -> dict[str, Any]:
     """A whole weight sync after an update, from 2 learner ranks to 2 torch workers, by
     broadcast: through the driver's model, and from the ranks themselves; the two fleets
     side by side, syncing in turn. The same for a LoRA policy (``RANKS_LORA``), whose
-    sync sends the merged weights."""
+    sync sends the merged weights, and for an asynchronous run a step deep, whose driver
+    keeps a copy of each sync it sends (rank 0, where the ranks send)."""
     out = section_meta(args)
     for row, made in sync_models(args, "ranks"):
-        for lora in (False, True):
-            for way, seconds in ranks_sync_times(args, made, lora).items():
-                row[f"LoRA, {way}" if lora else way] = seconds
+        for prefix, lora, staleness in RANKS_CASES:
+            for way, seconds in ranks_sync_times(args, made, lora, staleness).items():
+                row[f"{prefix}{way}"] = seconds
         out["rows"].append(row)
     return out
 
 
-def ranks_sync_times(args: argparse.Namespace, made: Any, lora: bool) -> dict[str, float]:
+def ranks_sync_times(
+    args: argparse.Namespace, made: Any, lora: bool, staleness: int = 0
+) -> dict[str, float]:
     """Each of ``RANKS_SYNC``'s median seconds for the model ``made`` (with ``lora``, its
-    LoRA policy: adapters moved off zero, so the merge is not a no-op)."""
+    LoRA policy: adapters moved off zero, so the merge is not a no-op), in a run with
+    ``algorithm.max_staleness = staleness``."""
     import functools
 
     from turnrl.distributed.driver import GroupLearner, _with_adapters
@@ -635,14 +641,15 @@ def ranks_sync_times(args: argparse.Namespace, made: Any, lora: bool) -> dict[st
                 if "lora_B" in name:
                     p.normal_(0.0, 0.01)
         made = (path, model, tokenizer)
-    spec = workers_spec(2, "broadcast", made)
+    spec = workers_spec(2, "broadcast", made, f"algorithm.max_staleness={staleness}")
     group = LearnerGroup(source, CONFIG, num_ranks=2, temperature=1.0, num_threads=1)
     group.load_weights(model.state_dict())
     fleets: dict[str, Any] = {}
     try:
         for way in RANKS_SYNC:
             fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
-        fleets["from the ranks"].send_from_ranks(FromRanks(GroupLearner(group, model)))
+        ranks = FromRanks(GroupLearner(group, model), keep=staleness > 0)
+        fleets["from the ranks"].send_from_ranks(ranks)
         times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
         for r in range(args.repeats + 1):  # the first forms the groups
             for way, fleet in fleets.items():
@@ -668,12 +675,13 @@ def ranks_table(ranks: dict[str, Any]) -> list[str]:
         f"{ranks['date']}, load average before: {ranks['load_average_before']:.1f}.",
         "",
         "| model | parameters | through the driver's model s | from the ranks s | ratio "
-        "| LoRA, through the driver's model s | LoRA, from the ranks s | LoRA ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| LoRA, through the driver's model s | LoRA, from the ranks s | LoRA ratio "
+        "| k = 1, through the driver's model s | k = 1, from the ranks s | k = 1 ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in ranks["rows"]:
         cells = []
-        for prefix in ("", "LoRA, "):
+        for prefix, _, _ in RANKS_CASES:
             a, b = r.get(f"{prefix}through the driver"), r.get(f"{prefix}from the ranks")
             cells += (
                 ["-"] * 3 if a is None or b is None else [f"{a:.3f}", f"{b:.3f}", f"{b / a:.2f}x"]
@@ -688,13 +696,17 @@ def ranks_table(ranks: dict[str, Any]) -> list[str]:
         "Timed from the driver, from the end of an update to the weights loaded in every "
         "worker's engine. Through the driver's model: the ranks gather the weights to rank "
         "0, which sends them to the driver through a pipe; the driver copies them into its "
-        "model and broadcasts them (what a run with `algorithm.max_staleness` >= 1 does). "
-        "From the ranks: rank 0 broadcasts them itself (ranks_to_workers.py), gloo over "
-        "this machine's loopback. LoRA (rank 16 on every linear layer, parameters counted "
+        "model and broadcasts them (what a run with `algorithm.max_staleness` >= 2 or "
+        "partial rollouts does). From the ranks: rank 0 broadcasts them itself "
+        "(ranks_to_workers.py), gloo over this machine's loopback (a synchronous run, or "
+        "one with `max_staleness` = 1, whose rank 0 also keeps what it sent). LoRA (rank 16 on every linear layer, parameters counted "
         "without the adapters): through the driver only the adapters are gathered and sent, "
         "and the driver merges them into its base; from the ranks, rank 0 keeps the base it "
         "gathered at the first sync, gathers the adapters and merges them. Either way the "
-        "workers are sent the whole merged weights.",
+        "workers are sent the whole merged weights. k = 1: an asynchronous run a step deep "
+        "(`algorithm.max_staleness` = 1), whose sync is kept for a worker replaced while "
+        "the ranks run the next update: through the driver, the driver copies the weights "
+        "it sends; from the ranks, rank 0 keeps those it sent.",
     ]
     return lines
 

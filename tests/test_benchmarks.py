@@ -315,7 +315,7 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     (ranks,) = data["ranks"]["rows"]
     assert (ranks["hidden"], ranks["layers"]) == (64, 2)
     ways = ["through the driver", "from the ranks"]
-    assert all(ranks[way] > 0 and ranks[f"LoRA, {way}"] > 0 for way in ways)
+    assert all(ranks[f"{case}{way}"] > 0 for way in ways for case in ("", "LoRA, ", "k = 1, "))
 
 
 CHECKS: dict[str, Check] = {

@@ -557,6 +557,10 @@ def test_a_killed_rank_is_named_within_the_deadline(tiny_model_dir: Path) -> Non
     assert e.value.ranks == (1,)
     assert e.value.call == "step 1"
     assert_gone(pids)
+    # any later call (another thread's, in an asynchronous run) names the same cause
+    with pytest.raises(LearnerRankError, match=r"rank 1 died \(exit code -9\) during step 1"):
+        group.full_state_dict()
+    group.close()
     with pytest.raises(TurnrlError, match="closed"):
         group.step(batch())
 
@@ -614,6 +618,46 @@ def test_an_error_on_a_rank_is_named_with_its_cause(tiny_model_dir: Path) -> Non
         group.call(raise_value_error)
     assert "ValueError: raised on purpose" in str(e.value)
     assert_gone(pids)
+
+
+def answer_after(learner: ShardedLearner, value: str, seconds: float) -> tuple[str, int]:
+    """On every rank: ``value`` and the rank, after ``seconds``."""
+    import torch.distributed as dist
+
+    time.sleep(seconds)
+    return value, dist.get_rank()
+
+
+def test_calls_from_two_threads_take_turns(
+    groups: dict[int, tuple[LearnerGroup, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call made while another thread's runs (an asynchronous run's rollout thread asking
+    for a replacement worker's weights during the update) waits for it, and each gets its
+    own answers. A wait past the running call's deadline (and a margin) is an error naming
+    that call."""
+    import concurrent.futures
+
+    from turnrl.distributed import learner_group
+
+    group, _ = groups[2]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(group.call, answer_after, "first", 1.0)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        second = pool.submit(group.call, answer_after, "second", 0.0)
+        assert second.result(timeout=60) == [("second", 0), ("second", 1)]
+        assert time.monotonic() - t0 > 0.5  # it waited for the first
+        assert first.result(timeout=60) == [("first", 0), ("first", 1)]
+
+    monkeypatch.setattr(learner_group, "BUSY_MARGIN_S", -59.0)  # waits 1 s past the deadline
+    monkeypatch.setattr(group, "timeout_s", 60.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(group.call, answer_after, "first", 3.0)
+        time.sleep(0.2)
+        with pytest.raises(TurnrlError, match=r"busy with call answer_after for more than 1 s"):
+            group.call(answer_after, "second", 0.0)
+        assert first.result(timeout=60) == [("first", 0), ("first", 1)]
+    assert group.call(answer_after, "after", 0.0) == [("after", 0), ("after", 1)]
 
 
 def test_shards_balance_tokens_and_cover_every_item() -> None:

@@ -317,6 +317,47 @@ def test_a_worker_killed_mid_step_while_the_ranks_send_loses_no_episode(
     assert [deterministic(r) for r in got] == [deterministic(r) for r in rows(ranks_runs["direct"])]
 
 
+ASYNC_RANKS = ("cluster.learner_ranks=2", "save_every=2", "algorithm.max_staleness=1")
+
+
+def test_an_asynchronous_run_s_ranks_send_to_the_workers_and_a_replacement_loses_nothing(
+    local_ray: None, tmp_path: Path, by_value: None
+) -> None:
+    """One step deep (``max_staleness = 1``) the ranks send each sync to the workers too
+    (no ``perf/weight_sync_s``: the driver's model is not brought up to date after each
+    update), and the run is the one synced through the driver's model exactly, its
+    checkpoints included. A worker killed at the start of a batch, which samples while the
+    ranks run the next update, is replaced from the sync rank 0 kept: the same episodes
+    and metrics again."""
+    direct, driver, killed = tmp_path / "direct", tmp_path / "driver", tmp_path / "killed"
+    train(config(2, BROADCAST, *ASYNC_RANKS), out=direct, progress=False)
+    train(config(2, OBJECT_STORE, *ASYNC_RANKS), out=driver, progress=False)
+    got, expected = rows(direct), rows(driver)
+    assert [deterministic(r) for r in got] == [deterministic(r) for r in expected]
+    assert episodes(direct) == episodes(driver)
+    assert all(r["rollout/staleness_1"] == 1.0 for r in got[2:])
+    assert all("perf/weight_sync_s" not in r for r in got[1:])
+    assert sum(r["perf/rollout_sync_s"] > 0 for r in got[1:]) >= 2
+    assert all(r["perf/weight_sync_s"] > 0 for r in expected[1:])
+    for step in ("step_000002", "step_000003"):
+        a, b = (load_file(out / "checkpoints" / step / "model" / "model.safetensors")
+                for out in (direct, driver))  # fmt: skip
+        assert a.keys() == b.keys(), step
+        assert all(torch.equal(a[k], b[k]) for k in a), step
+
+    family = Tripwire(tmp_path)
+
+    def arm(row: Row) -> None:
+        if row["step"] == 1:  # a batch that starts from now on: step 3's, or step 2's
+            (tmp_path / "kill").write_text("")
+
+    train(config(2, BROADCAST, *ASYNC_RANKS), env=family, out=killed, progress=False, on_row=arm)
+    assert (tmp_path / "kill.fired").exists()
+    assert sum(r.get("rollout/worker_restarts", 0.0) for r in rows(killed)) == 1.0
+    assert episodes(killed) == episodes(direct)
+    assert [deterministic(r) for r in rows(killed)] == [deterministic(r) for r in got]
+
+
 def test_a_worker_killed_mid_step_of_a_run_with_partial_rollouts_loses_no_episode(
     local_ray: None, tmp_path: Path, by_value: None
 ) -> None:
@@ -503,6 +544,70 @@ def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weig
         assert sum(pid not in pids for pid in now) == restarts
         sampled_as_in_process(workers, c, family, policy, tokenizer, 7)
     finally:
+        workers.close()
+        group.close()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["whole", "lora"])
+def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_kept(
+    local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path, lora: bool
+) -> None:
+    """An asynchronous run's sync from the ranks (``max_staleness = 1``): rank 0 keeps
+    what it sent. Worker 1 is killed while the ranks run the next update; its
+    replacement, asking for its start weights in the middle of that update, gets them
+    once the update returns, and they are the sync's, not the ranks' newer weights: both
+    workers sample as a worker in this process holding the synced policy (a LoRA one
+    merged from the base rank 0 kept and the adapters of the sync)."""
+    import concurrent.futures
+    import functools
+
+    from test_distributed_learner import LORA as ADAPTED
+    from test_distributed_learner import advantages, lora_driver, samples
+    from turnrl.distributed import LearnerGroup
+    from turnrl.distributed.driver import GroupLearner, _with_adapters
+    from turnrl.distributed.ranks_to_workers import FromRanks
+    from turnrl.distributed.rollout_workers import cpu_weights
+    from turnrl.models import load_model
+
+    c = resolved(config(2, BROADCAST, "cluster.learner_ranks=1", "algorithm.max_staleness=1"))
+    family = make_env_spec(c.env.name, **c.env.options)
+    source: Any = tiny_model_dir
+    driver_model = copy.deepcopy(model)
+    if lora:
+        source = functools.partial(
+            _with_adapters, functools.partial(load_model, tiny_model_dir), **ADAPTED
+        )
+        driver_model = lora_driver(tiny_model_dir, seed=0)
+    group = LearnerGroup(source, c.algorithm, num_ranks=1, temperature=1.0, timeout_s=120)
+    learner = GroupLearner(group, driver_model)
+    learner.model_lags = True
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, driver_model, tokenizer, 0, tiny_model_dir), 2, threads=1,
+        weight_sync="broadcast",
+    )  # fmt: skip
+    updating = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        group.load_weights(driver_model.state_dict())
+        workers.send_from_ranks(FromRanks(learner, keep=True))
+        learner.step_samples(samples(6, seed=2), advantages(6), pad_id=0)
+        workers.sync(driver_model, 7)  # rank 0 sends the update's weights, and keeps them
+        synced = copy.deepcopy(driver_model)
+        synced.load_state_dict(group.full_state_dict())
+        policy = load_model(tiny_model_dir)  # what a worker samples: a LoRA policy merged
+        policy.load_state_dict(cpu_weights(synced))
+        pid = ray.get(workers.actors[1].pid.remote(), timeout=60)
+        update = updating.submit(
+            learner.step_samples, samples(6, seed=3), advantages(6), pad_id=0
+        )  # the next update, while the workers sample version 7
+        os.kill(pid, signal.SIGKILL)
+        sampled_as_in_process(workers, c, family, policy, tokenizer, 7)
+        update.result(timeout=120)
+        assert workers.take_metrics() == {"rollout/worker_restarts": 1.0}
+        synced.load_state_dict(group.full_state_dict())  # the ranks' weights now
+        newer = cpu_weights(synced)
+        assert max(float((newer[k] - v).abs().max()) for k, v in policy.state_dict().items()) > 0
+    finally:
+        updating.shutdown()
         workers.close()
         group.close()
 

@@ -29,10 +29,11 @@ critic beside them: a value head, or a value model that starts as the driver's p
 
 From the driver's model the weights go on to the rollout workers as
 ``cluster.weight_sync`` says (rollout_workers.py): through Ray's object store, or by a
-broadcast of their own. A synchronous run's broadcast skips the driver
-(``sends_from_ranks``): the ranks send the weights to the workers themselves
-(ranks_to_workers.py), and the driver's model is brought up to date only when it is read
-(a checkpoint, a replacement worker's start weights).
+broadcast of their own. The broadcast of a synchronous run, or of an asynchronous one a
+step deep, skips the driver (``sends_from_ranks``): the ranks send the weights to the
+workers themselves (ranks_to_workers.py), and the driver's model is brought up to date
+only when it is read (a checkpoint; in a synchronous run, a replacement worker's start
+weights: in an asynchronous one, rank 0 keeps what it sent for that).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def train(
         workers.append(fleet)
         if started and sends_from_ranks(spec.config, fleet.weight_sync):
             started[0].model_lags = True
-            fleet.send_from_ranks(FromRanks(started[0]))
+            keep = spec.config.algorithm.max_staleness > 0
+            fleet.send_from_ranks(FromRanks(started[0], keep=keep))
         return fleet
 
     run_dir = Path(run_dir)
@@ -120,11 +122,15 @@ def train(
 
 def sends_from_ranks(config: Config, weight_sync: str) -> bool:
     """Whether the learner's ranks send the weights to the rollout workers themselves
-    (ranks_to_workers.py): a synchronous run's broadcast (LoRA or not). In an asynchronous
-    run the ranks run the next update while the workers sample, and a worker replaced
-    mid-batch loads the version synced, which the ranks no longer hold: its syncs go
-    through the driver's model, which keeps a copy of it."""
-    return weight_sync == "broadcast" and config.algorithm.max_staleness == 0
+    (ranks_to_workers.py): a broadcast run whose syncs are all of the learner's weights
+    of the moment, as the ranks hold them: a synchronous one, or an asynchronous one a
+    step deep (``max_staleness = 1``), whose sync comes between two updates. Deeper
+    pipelines sync from a copy of the weights made after each update, and partial
+    rollouts offer the weights through the object store: both read the driver's model
+    after every update, so their syncs go through it."""
+    algo = config.algorithm
+    shallow = algo.max_staleness <= 1 and not algo.partial_rollouts
+    return weight_sync == "broadcast" and shallow
 
 
 def _with_adapters(load: Callable[[], Any], **lora: Any) -> Any:

@@ -16,8 +16,13 @@ stops all its ranks (none is left behind) and refuses further calls: a step half
 some ranks cannot be continued, only restarted from a checkpoint (``state_dict``).
 
 A LoRA model (``model`` returning one) trains only its adapters; the frozen base is
-sharded with them. The ranks do not sync the rollout workers themselves: the driver gets
-the full weights (``full_state_dict``) and syncs them (rollout_workers.py).
+sharded with them. The rollout workers are synced from the whole weights gathered into
+the driver (``full_state_dict``), or by rank 0 itself (ranks_to_workers.py, through
+``call``).
+
+Calls may come from several threads (an asynchronous run's rollout thread asks for a
+replacement worker's weights while the update runs): they take turns, a call waiting for
+the one running at most that call's deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import collections
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -48,6 +54,8 @@ CRASH_LINES = 60
 """How many lines of a dead rank's stack (its fatal-signal report) its error quotes."""
 CLOSE_TIMEOUT_S = 10.0
 """How long ``close`` waits for the ranks to leave the group before it kills them."""
+BUSY_MARGIN_S = 60.0
+"""How much longer than a call's deadline a call from another thread waits for it."""
 FAILURE_GRACE_S = 1.0
 """After a rank reports an error, how long to look for a rank that died first (its death
 is then the cause named; the error is often a peer's broken collective)."""
@@ -117,7 +125,15 @@ class LearnerGroup:
         self.timeout_s = timeout_s
         """The deadline of each call, in seconds (may be changed between calls)."""
         self._closed = False
+        self._failure: LearnerRankError | None = None
+        """What stopped the group, if a rank's failure did: a later call (another thread's)
+        raises it again, so the run's error names the rank, not a closed group."""
         self._calls: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        """Held through a call: calls from several threads (an asynchronous run's update,
+        and its rollout thread's ask for a replacement worker's weights) take turns."""
+        self._busy = ""
+        """The call holding the group."""
         spec = RankSpec(
             model=model, config=config, temperature=temperature, max_length=max_length,
             device=self.device, autocast=autocast, seed=seed,
@@ -249,6 +265,7 @@ class LearnerGroup:
 
     def close(self) -> None:
         """Ask the ranks to leave the group, then stop any that has not (none outlives it)."""
+        self._failure = None  # closed on purpose: later calls are refused as closed
         if self._closed:
             return
         self._closed = True
@@ -273,16 +290,31 @@ class LearnerGroup:
     # ----------------------------------------------------------------------- internals
 
     def _call(self, name: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        if self._closed:
-            raise TurnrlError("this LearnerGroup is closed (after close() or a rank's failure)")
-        kind = name.split(" ")[0]
-        self._calls[kind] += 1
-        label = f"{name} {self._calls[kind]}" if kind == name else name
-        command = name if kind != "call" else "call"
-        for rank, rank_args in enumerate(args):
-            # bytes: tensors by value (wire.py); never blocks here
-            self._ranks.send(rank, wire.encode((command, rank_args)))
-        return self._await(label, self.timeout_s)
+        """``name`` on every rank, one ``args`` each, once no other call runs: the answers.
+        The wait for a call running in another thread is bounded by that call's deadline."""
+        wait_s = self.timeout_s + BUSY_MARGIN_S
+        if not self._lock.acquire(timeout=wait_s):
+            raise TurnrlError(
+                f"the learner group was busy with {self._busy} for more than {wait_s:.0f} s: "
+                f"{name} could not start"
+            )
+        try:
+            if self._failure is not None:
+                f = self._failure
+                raise LearnerRankError(str(f), ranks=f.ranks, call=f.call)
+            if self._closed:
+                raise TurnrlError("this LearnerGroup is closed (after close() or a rank's failure)")
+            kind = name.split(" ")[0]
+            self._calls[kind] += 1
+            label = f"{name} {self._calls[kind]}" if kind == name else name
+            self._busy = label
+            command = name if kind != "call" else "call"
+            for rank, rank_args in enumerate(args):
+                # bytes: tensors by value (wire.py); never blocks here
+                self._ranks.send(rank, wire.encode((command, rank_args)))
+            return self._await(label, self.timeout_s)
+        finally:
+            self._lock.release()
 
     def _await(self, label: str, timeout_s: float) -> list[Any]:
         """Each rank's answer to the call ``label``, or a ``LearnerRankError`` (and the
@@ -327,7 +359,8 @@ class LearnerGroup:
         """Stop every rank (a failed step cannot be continued) and raise."""
         self._closed = True
         self._ranks.kill()
-        raise LearnerRankError(message, ranks=ranks, call=label)
+        self._failure = LearnerRankError(message, ranks=ranks, call=label)
+        raise self._failure
 
 
 class Ranks(Protocol):

@@ -236,6 +236,11 @@ class ShardedLearner(Learner):
         """The weights that do not train (a LoRA policy's base), whole, as a weight sync
         from the ranks last gathered them (ranks_to_workers.py; rank 0 holds them, other
         ranks an empty dict); None until then, and again after any load of weights."""
+        self.kept_sync: tuple[int, dict[str, torch.Tensor]] | None = None
+        """In an asynchronous run, on rank 0: the last sync it sent to the rollout workers
+        (its number, and the weights that change: a LoRA policy's adapters, any other
+        policy's whole weights), kept for a worker replaced while the ranks run the next
+        update (ranks_to_workers.py); None until then, and again after any load."""
         self._norms: Norms | None = None
         ref = RootCall(reference) if reference is not None else None
         super().__init__(RootCall(root), config, reference=ref, **kwargs)
@@ -681,7 +686,7 @@ def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     options = StateDictOptions(full_state_dict=True)
-    learner.frozen_whole = None
+    learner.frozen_whole = learner.kept_sync = None
     set_state_dict(
         learner.root, learner.optimizer, model_state_dict=state["model"],
         optim_state_dict=state["optimizer"], options=options,
@@ -695,7 +700,7 @@ def load_weights(learner: ShardedLearner, weights: dict[str, torch.Tensor]) -> N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     options = StateDictOptions(full_state_dict=True)
-    learner.frozen_whole = None
+    learner.frozen_whole = learner.kept_sync = None
     set_model_state_dict(learner.root, cast(dict[str, Any], weights), options=options)
 
 

@@ -317,7 +317,8 @@ class RayRolloutWorkers:
         """With the broadcast: what a replacement loads, the weights of the last sync (the
         driver's model itself in a synchronous run, where it does not change between a sync
         and the next batch; a copy in CPU memory in an asynchronous one, where the next
-        update changes it while the workers sample)."""
+        update changes it while the workers sample; ``_ranks`` where the learner's ranks
+        sent it: ``FromRanks.start_weights``)."""
         self._copy_synced = spec.config.algorithm.max_staleness > 0
         self._version = spec.version
         self._restarts = 0
@@ -674,9 +675,8 @@ class RayRolloutWorkers:
         with self._lock:
             if load and self._weights is None and self._synced is not None:  # broadcasts
                 synced = self._synced
-                if synced is self._ranks:  # the driver's model lags the ranks': not now
-                    self._ranks.refresh()
-                    synced = self._ranks.model
+                if synced is self._ranks:  # the ranks sent the sync: the weights they sent
+                    synced = self._ranks.start_weights()
                 synced = synced if isinstance(synced, dict) else cpu_weights(synced)
                 self._weights = self.ray.put(synced)
             if load and self._weights is not None:
