@@ -1,13 +1,13 @@
 """The weight sync straight from the learner's ranks to the rollout workers.
 
-With ``cluster.weight_sync = "broadcast"``, learner ranks and rollout workers, the sync of
-a synchronous run (or of an asynchronous one a step deep) skips the driver: the ranks gather the whole weights from their
-shards to rank 0 (``rank.whole_weights``), and rank 0, member 0 of the workers' broadcast
-group (weight_broadcast.py), sends them; the driver only coordinates the group
-(``Coordinator``: its store, the words "go" and "abort"). Before, the weights went from
-rank 0 to the driver through a pipe, into the driver's model, and from there to the
-workers: one hop and two copies of the whole model more per sync, and a driver that must
-hold the weights, on a GPU where they are sent over NCCL.
+With ``cluster.weight_sync = "broadcast"``, learner ranks and rollout workers, the sync of a
+synchronous run (or of an asynchronous one a step deep) skips the driver: the ranks gather
+the whole weights from their shards to rank 0 (``rank.whole_weights``), and rank 0, member 0
+of the workers' broadcast group (weight_broadcast.py), sends them; the driver only
+coordinates the group (``Coordinator``: its store, the words "go" and "abort"). Before, the
+weights went from rank 0 to the driver through a pipe, into the driver's model, and from
+there to the workers: one hop and two copies of the whole model more per sync, and a driver
+that must hold the weights, on a GPU where they are sent over NCCL.
 
 A LoRA policy's adapters are merged on rank 0 (lora.py's ``merge_adapters``, the function
 the driver's ``engine_weights`` uses): the workers get the same weights either way. Its

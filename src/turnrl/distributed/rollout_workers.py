@@ -19,7 +19,8 @@ batch they share, so only one worker reproduces the in-process run bit for bit.
 Weight sync (``cluster.weight_sync``): the learner's whole state dict (LoRA merged) goes
 once into Ray's object store (shared memory on a node), and every worker loads it, or it
 goes by one collective broadcast from this process to every worker over a group of their
-own (weight_broadcast.py: gloo on CPUs, NCCL on GPUs). Either way each worker takes it with
+own (weight_broadcast.py: gloo on CPUs, NCCL on GPUs; from the learner's rank 0 instead,
+where the run has learner ranks: ranks_to_workers.py). Either way each worker takes it with
 the driver's policy version, between batches and never while sampling; a vLLM worker takes
 it in place through the engine's ``reload_weights``, as the in-process vLLM engine does.
 ``perf/rollout_sync_s`` is the time it takes.
