@@ -503,6 +503,26 @@ def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
         workers.close()
 
 
+def ranks_and_workers(
+    c: Config, family: Any, model_dir: Path, driver_model: Any, tokenizer: Any, source: Any = None
+) -> tuple[Any, Any, RayRolloutWorkers]:
+    """One learner rank (built from ``source``, else ``model_dir``) driven by a
+    ``GroupLearner`` whose model lags the ranks' (``driver_model``), and two workers synced
+    by broadcast; the caller closes the group and the workers."""
+    from turnrl.distributed import LearnerGroup
+    from turnrl.distributed.driver import GroupLearner
+
+    source = model_dir if source is None else source
+    group = LearnerGroup(source, c.algorithm, num_ranks=1, temperature=1.0, timeout_s=120)
+    learner = GroupLearner(group, driver_model)
+    learner.model_lags = True
+    workers = RayRolloutWorkers(
+        WorkersSpec(c, family, driver_model, tokenizer, 0, model_dir), 2, threads=1,
+        weight_sync="broadcast",
+    )  # fmt: skip
+    return group, learner, workers
+
+
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weights(
     local_ray: None, model: Any, tokenizer: Any, tiny_model_dir: Path, by_value: None,
@@ -514,21 +534,13 @@ def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weig
     again, and sends again; both workers then sample with the ranks' new weights, which the
     driver's model had not seen."""
     from test_distributed_learner import advantages, samples
-    from turnrl.distributed import LearnerGroup
-    from turnrl.distributed.driver import GroupLearner
     from turnrl.distributed.ranks_to_workers import FromRanks
 
     monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", 1)  # each tensor a collective
     c = resolved(config(2, BROADCAST, "cluster.learner_ranks=1"))
     family = make_env_spec(c.env.name, **c.env.options)
     driver_model = copy.deepcopy(model)
-    group = LearnerGroup(tiny_model_dir, c.algorithm, num_ranks=1, temperature=1.0, timeout_s=120)
-    learner = GroupLearner(group, driver_model)
-    learner.model_lags = True
-    workers = RayRolloutWorkers(
-        WorkersSpec(c, family, driver_model, tokenizer, 0, tiny_model_dir), 2, threads=1,
-        weight_sync="broadcast",
-    )  # fmt: skip
+    group, learner, workers = ranks_and_workers(c, family, tiny_model_dir, driver_model, tokenizer)
     try:
         workers.send_from_ranks(FromRanks(learner))
         pids = kill_worker_1(workers, driver_model, when)
@@ -563,8 +575,7 @@ def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_ke
 
     from test_distributed_learner import LORA as ADAPTED
     from test_distributed_learner import advantages, lora_driver, samples
-    from turnrl.distributed import LearnerGroup
-    from turnrl.distributed.driver import GroupLearner, _with_adapters
+    from turnrl.distributed.driver import _with_adapters
     from turnrl.distributed.ranks_to_workers import FromRanks
     from turnrl.distributed.rollout_workers import cpu_weights
     from turnrl.models import load_model
@@ -578,13 +589,9 @@ def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_ke
             _with_adapters, functools.partial(load_model, tiny_model_dir), **ADAPTED
         )
         driver_model = lora_driver(tiny_model_dir, seed=0)
-    group = LearnerGroup(source, c.algorithm, num_ranks=1, temperature=1.0, timeout_s=120)
-    learner = GroupLearner(group, driver_model)
-    learner.model_lags = True
-    workers = RayRolloutWorkers(
-        WorkersSpec(c, family, driver_model, tokenizer, 0, tiny_model_dir), 2, threads=1,
-        weight_sync="broadcast",
-    )  # fmt: skip
+    group, learner, workers = ranks_and_workers(
+        c, family, tiny_model_dir, driver_model, tokenizer, source
+    )
     updating = concurrent.futures.ThreadPoolExecutor(1)
     try:
         group.load_weights(driver_model.state_dict())
