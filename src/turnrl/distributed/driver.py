@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from turnrl.distributed import ray_cluster
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
 from turnrl.distributed.ranks_to_workers import FromRanks
 from turnrl.distributed.rollout_workers import RayRolloutWorkers
@@ -101,6 +102,8 @@ def train(
 
     run_dir = Path(run_dir)
     cluster = config.cluster
+    if cluster.address and (cluster.rollout_workers or cluster.learner_placement == "ray"):
+        ray_cluster.knock(cluster.address)  # before the start model is built: a typo fails now
     try:
         return train_in_loop(
             config, run_dir, resume=resume, progress=progress, on_row=on_row, env=env,

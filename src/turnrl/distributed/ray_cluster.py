@@ -3,15 +3,30 @@ learner ranks with ``cluster.learner_placement = "ray"``): the first to ``join``
 (to ``cluster.address``, or starts a local cluster of this machine), the last to ``leave``
 shuts down what this process started. A cluster this process joined but did not start (a
 ``ray.init`` of the user's own, before the run) is left running.
+
+Joining an address has deadlines of its own. Ray gives a head that does not answer about
+40 s a try, 20 tries: a wrong address or a head not started would hang the run for 14
+minutes. So the address is knocked on first (a TCP connection within ``PROBE_TIMEOUT_S``:
+nothing there is an error at once), and Ray is given ``JOIN_TRIES`` tries (about two
+minutes) for what answers but is no head (a dashboard's port, say). Both errors name the
+setting.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from typing import Any
 
 from turnrl.errors import ConfigError
+
+PROBE_TIMEOUT_S = 10.0
+"""How long ``join`` waits for the head at ``cluster.address`` to accept a connection."""
+JOIN_TRIES = 3
+"""How many times Ray tries to reach the head's GCS at ``cluster.address`` (Ray's
+``TRIES_VARIABLE``, left as it is where the environment sets it)."""
+TRIES_VARIABLE = "RAY_gcs_server_port_wait_time_s"
 
 _lock = threading.Lock()
 _members = 0
@@ -37,10 +52,18 @@ def join(
                 # update (asynchronous training) or any other work they would get a
                 # fraction of a core. The actors are this run's own work: same priority.
                 options["_system_config"] = {"worker_niceness": 0}
+            set_tries = bool(address) and TRIES_VARIABLE not in os.environ
+            if address:
+                knock(address)
+            if set_tries:
+                os.environ[TRIES_VARIABLE] = str(JOIN_TRIES)
             try:
                 ray.init(address=address or None, **options)
-            except ConnectionError as exc:
+            except (ConnectionError, RuntimeError) as exc:  # RuntimeError: no GCS answered
                 raise ConfigError(join_failure(address, exc)) from exc
+            finally:
+                if set_tries:
+                    os.environ.pop(TRIES_VARIABLE, None)
             _owned = True
         _members += 1
     return ray
@@ -58,6 +81,34 @@ def leave() -> None:
             _owned = False
 
 
+def knock(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """A ``ConfigError`` unless something at ``address`` (``HOST:PORT`` or
+    ``ray://HOST:PORT``) accepts a TCP connection within ``timeout_s``. Addresses Ray
+    resolves itself (``auto``, ``local``) and those without a port are left to Ray."""
+    host, port = host_port(address)
+    if port is None:
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:  # refused, unreachable, no such host, or the deadline
+        reason = "no answer" if isinstance(exc, TimeoutError) else type(exc).__name__
+        raise ConfigError(
+            f"cluster.address = {address!r}: nothing accepts a connection at {host}:{port} "
+            f"within {timeout_s:g} s ({reason}: {exc}). Start the cluster's head there "
+            f"(`ray start --head --port={port}`), or give the address `ray start --head` "
+            "printed; an empty address starts a local cluster"
+        ) from exc
+
+
+def host_port(address: str) -> tuple[str, int | None]:
+    """``address``'s host and port (``ray://`` stripped); the port None where it has none."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return rest, None
+    return host.strip("[]"), int(port)
+
+
 def join_failure(address: str, exc: BaseException) -> str:
     """Why the Ray cluster at ``address`` could not be joined, and what to do."""
     message = f"cluster.address = {address!r}: cannot join the Ray cluster: {exc}"
@@ -66,6 +117,12 @@ def join_failure(address: str, exc: BaseException) -> str:
             ". The cluster checks a token (Ray's default for `ray start`): run with "
             "RAY_AUTH_MODE=token, and the head's ~/.ray/auth_token on this machine (or "
             "RAY_AUTH_TOKEN set to it)"
+        )
+    elif "Failed to connect to Ray cluster" in str(exc):  # it answered, but as no head
+        message += (
+            ". Something accepts connections there but did not answer as a Ray head: give "
+            "the port `ray start --head` printed (its GCS, 6379 unless --port said), not the "
+            "dashboard's; a Ray Client server is ray://HOST:PORT"
         )
     return message
 

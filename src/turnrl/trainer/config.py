@@ -684,9 +684,11 @@ class ClusterConfig:
     """The deadline of each call to a rollout worker (a batch of episodes, a weight sync);
     a worker that misses it stops the run with an error naming it."""
     address: str = ""
-    """The Ray cluster the rollout workers (and ranks placed by Ray) join (``ray start
-    --head`` prints it, e.g. ``"auto"`` or ``"ray://head:10001"``); "" starts a local one on
-    this machine."""
+    """The Ray cluster the rollout workers (and ranks placed by Ray) join: ``HEAD_IP:6379``
+    as ``ray start --head`` prints it, ``"auto"`` for the one this machine is a node of, or
+    a Ray Client's ``"ray://head:10001"``; "" starts a local one on this machine. Checked
+    before the run builds anything: nothing accepting a connection there within 10 s is an
+    error, and so is no Ray head answering within 3 of Ray's tries (about 2 minutes)."""
 
     def __post_init__(self) -> None:
         _require(
