@@ -117,6 +117,24 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
         train(load_config(None, [*SMALL, "steps=6"]), stopped, resume=True, progress=False)
 
 
+def test_the_command_line_sums_up_a_resumed_run_from_its_first_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The closing line's held-out success is the whole run's, from step 0: a resumed run
+    evaluated only at its end still reads its start from metrics.jsonl."""
+    run = tmp_path / "run"
+    flags = [x for s in [*SMALL, "eval.every=10"] for x in ("--set", s)]
+    assert main(["train", "--out", str(run), "--no-progress", *flags]) == 0
+    capsys.readouterr()
+    more = [*flags, "--set", "steps=4"]
+    assert main(["train", "--out", str(run), "--no-progress", "--resume", *more]) == 0
+    evals = [r for r in rows(run) if "eval/success_mean" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]  # the start, the first end, the end
+    first, last = evals[0]["eval/success_mean"], evals[-1]["eval/success_mean"]
+    expected = f"turnrl: held-out success {first:.2f} (step 0) -> {last:.2f} (step 4)"
+    assert expected in capsys.readouterr().out
+
+
 def test_a_ppo_run_resumes_with_its_critic(tmp_path: Path) -> None:
     ppo = [*SMALL, "algorithm.advantage=gae", "algorithm.critic.placement=model"]
     straight = tmp_path / "straight"

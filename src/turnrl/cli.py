@@ -164,19 +164,20 @@ def _config_show(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from turnrl.api import train
-    from turnrl.report import write_report
+    from turnrl.report import read_metrics, write_report
     from turnrl.trainer.config import load_config
 
     config = load_config(args.recipe, args.overrides)
     run_dir = args.out or Path("runs") / config.name
     print(f"turnrl: run directory {run_dir}")
     t0 = time.perf_counter()
-    result = train(  # in process, or with cluster.learner_ranks >= 1 a learner group
+    train(  # in process, or with cluster.learner_ranks >= 1 a learner group
         config, out=run_dir, resume=args.resume, progress=not args.no_progress,
         on_row=_report_every(run_dir, REPORT_EVERY_S),
     )  # fmt: skip
     report = write_report(run_dir)
-    rows = [r for r in result.rows if "eval/success_mean" in r]
+    # the whole run's, a resumed run's steps before the resume included
+    rows = [r for r in read_metrics(run_dir) if "eval/success_mean" in r]
     if rows:
         first, last = rows[0], rows[-1]
         print(
