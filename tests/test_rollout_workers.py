@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -44,7 +45,7 @@ from turnrl.distributed.rollout_workers import (
     worker_resources,
 )
 from turnrl.envs import make_env_spec
-from turnrl.errors import ConfigError
+from turnrl.errors import BackendError, ConfigError
 from turnrl.rollout.groups import GroupSpec
 from turnrl.trainer.config import Config, load_config, resolved
 from turnrl.trainer.loop import WorkersSpec, episode_settings
@@ -917,6 +918,37 @@ def test_an_environment_that_cannot_be_sent_is_refused(tmp_path: Path, local_ray
     family.lock = threading.Lock()  # type: ignore[attr-defined]  # no pickle for a lock
     with pytest.raises(ConfigError, match="cannot be sent to the rollout workers"):
         train(config(1), env=family, out=tmp_path / "run", progress=False)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: its workers start"
+)
+def test_a_worker_that_cannot_start_stops_the_run_with_its_own_error(
+    tmp_path: Path, local_ray: None
+) -> None:
+    """vLLM workers where vLLM is missing, on the cluster at ``cluster.address`` (whose
+    nodes the driver cannot check for it beforehand): the run stops with the worker's own
+    one-line error, not Ray's page of its remote traceback."""
+    settings = ["rollout.backend=vllm", "model.hidden_size=64", "cluster.address=auto"]
+    with pytest.raises(RolloutWorkerError) as caught:
+        train(config(1, *settings), out=tmp_path / "run", progress=False)
+    message = str(caught.value)
+    assert message.startswith(
+        "rollout workers: start failed: BackendError: rollout.backend = 'vllm' needs vLLM"
+    ), message
+    assert "\n" not in message
+
+
+def test_a_vllm_run_without_vllm_stops_before_building_anything(tmp_path: Path) -> None:
+    """In process, or on workers of a local cluster (this Python): checked first."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed")
+    settings = ["rollout.backend=vllm", "model.hidden_size=64"]
+    for workers in (0, 2):
+        run = tmp_path / f"run{workers}"
+        with pytest.raises(BackendError, match=r"rollout\.backend = 'vllm' needs vLLM"):
+            train(config(workers, *settings), out=run, progress=False)
+        assert not (run / "base_model").exists()
 
 
 def test_a_worker_asks_ray_for_a_gpu_when_the_policy_is_on_one() -> None:

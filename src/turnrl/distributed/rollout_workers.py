@@ -57,6 +57,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import re
 import socket
 import threading
 import time
@@ -333,8 +334,8 @@ class RayRolloutWorkers:
             self.actors = [actor for actor, _ in started]
             readiness = [ready for _, ready in started]
             needs = "1 free CPU" + (" and 1 free GPU" if self.device == "cuda" else "")
-            where = f"start (each needs {needs} of the Ray cluster: `ray status` shows them)"
-            self._wait(readiness, where, start_timeout_s)
+            hint = f"each needs {needs} of the Ray cluster: `ray status` shows them"
+            self._wait(readiness, "start", start_timeout_s, late=hint)
         except BaseException:
             self.close()
             raise
@@ -695,19 +696,29 @@ class RayRolloutWorkers:
         self.actors[w], ready = self._new_actor(load)
         self._wait([ready], f"restarting rollout worker {w}", self.start_timeout_s)
 
-    def _wait(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
-        """``ray.get`` of ``refs`` within ``timeout_s``; an error naming ``what`` if not."""
-        _, late = self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if late:
-            workers = [i for i, r in enumerate(refs) if r in late]
+    def _wait(self, refs: list[Any], what: str, timeout_s: float, late: str = "") -> list[Any]:
+        """``ray.get`` of ``refs`` within ``timeout_s``; an error naming ``what`` if not
+        (with ``late``'s hint where the deadline passed)."""
+        _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            workers = [i for i, r in enumerate(refs) if r in pending]
             raise RolloutWorkerError(
                 f"rollout worker(s) {_listed(workers)}: {what} did not finish within "
-                f"{timeout_s:.0f} s"
+                f"{timeout_s:.0f} s" + (f" ({late})" if late else "")
             )
         try:
             return list(self.ray.get(refs))
         except self.ray.exceptions.RayError as exc:
-            raise RolloutWorkerError(f"rollout workers: {what} failed: {exc}") from exc
+            raise RolloutWorkerError(f"rollout workers: {what} failed: {own_words(exc)}") from exc
+
+
+def own_words(exc: BaseException) -> str:
+    """A Ray error as it reads, or, where a turnrl error raised in the worker is inside
+    it (an actor that could not start: Ray quotes its whole remote traceback), that error's
+    own line, which says what to do."""
+    text = str(exc)
+    found = re.findall(r"^turnrl\.[\w.]*?(\w+): (.+)$", text, re.MULTILINE)
+    return f"{found[-1][0]}: {found[-1][1]}" if found else text
 
 
 def worker_calls_at_once(config: Config) -> int:

@@ -318,7 +318,7 @@ def _start(
     policy version. No ``rollout.backend`` engine is built in this process: a vLLM one
     would take its memory (a GPU's, on a GPU) for nothing."""
     lora = config.model.lora.rank > 0
-    _check_engine_shapes(config)
+    _check_engine(config)
     if checkpoint is None:
         model_path = _base_model(config, spec, run_dir, progress)
     else:  # a LoRA checkpoint holds only the adapters: the base is the run's start_model
@@ -636,21 +636,32 @@ def tiny_model_config(config: Config) -> TinyModelConfig:
     )
 
 
-def _check_engine_shapes(config: Config) -> None:
-    """vLLM's CPU attention refuses narrow heads: say so now, not after the minutes a tiny
-    model's pretraining and the warm-up take."""
-    if config.rollout.backend != "vllm" or torch.cuda.is_available():
+def _check_engine(config: Config) -> None:
+    """What would stop a vLLM engine, said now, not after the minutes a tiny model's
+    pretraining and the warm-up take: vLLM missing where the engines run on this Python (in
+    this process, or on rollout workers of a local Ray cluster; a cluster's nodes at
+    ``cluster.address`` have their own), and, on a CPU, heads its attention refuses (said
+    first: a shape to fix whatever is installed)."""
+    if config.rollout.backend != "vllm":
         return
-    from turnrl.backends.vllm_backend import check_cpu_head_size, cpu_head_size_problem
+    from turnrl.backends.vllm_backend import (
+        check_cpu_head_size,
+        cpu_head_size_problem,
+        require_vllm,
+    )
 
     m = config.model
-    if m.path:
-        check_cpu_head_size(Path(m.path))
-        return
-    shape = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_heads}
-    problem = cpu_head_size_problem(shape, "the tiny model (model.hidden_size / num_heads)")
-    if problem:
-        raise ConfigError(problem)
+    if not torch.cuda.is_available():
+        if m.path:
+            check_cpu_head_size(Path(m.path))
+        else:
+            shape = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_heads}
+            tiny = "the tiny model (model.hidden_size / num_heads)"
+            problem = cpu_head_size_problem(shape, tiny)
+            if problem:
+                raise ConfigError(problem)
+    if not (config.cluster.rollout_workers and config.cluster.address):
+        require_vllm()
 
 
 def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
