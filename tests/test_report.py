@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_RUN
 from turnrl.cli import _report_every
 from turnrl.report import write_report
-from turnrl.report.html import svg_chart
+from turnrl.report.html import layout, svg_chart
 from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import train
 
@@ -58,6 +58,40 @@ def test_the_report_shows_where_a_step_s_time_goes_and_how_stale_its_batch_was(
         assert f">{title}<" in html
     for key in ("perf/step_s", "perf/rollout_s", "rollout/policy_lag_max"):
         assert key in html
+
+
+def test_the_report_says_where_the_run_ran_and_charts_its_syncs_and_staleness(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """The layout in words (ranks, workers, how far rollouts ran ahead), the staleness
+    histogram and the weight syncs as curves, and worker restarts only where there were
+    some."""
+    assert layout({}) == "in process, synchronous"
+    config = {
+        "cluster": {"learner_ranks": 2, "learner_placement": "ray", "rollout_workers": 4,
+                    "weight_sync": "broadcast", "address": "10.0.0.1:6379"},
+        "algorithm": {"max_staleness": 2, "partial_rollouts": True, "overlap_batches": False},
+    }  # fmt: skip
+    assert layout(config) == (
+        "2 learner rank(s) (FSDP2 on Ray), 4 rollout worker(s) (weight_sync broadcast), "
+        "Ray cluster 10.0.0.1:6379, asynchronous: max_staleness 2, partial rollouts"
+    )
+    html = write_report(run_dir).read_text()
+    assert "<th>layout</th><td>in process, synchronous</td>" in html
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[1:]:  # as a run on two workers, one step deep, writes them
+        r.update({"rollout/staleness_0": 0.0, "rollout/staleness_1": 1.0,
+                  "perf/rollout_sync_s": 0.02, "rollout/worker_restarts": 0.0})  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = write_report(run).read_text()
+    for title in ("trajectories by versions behind (fraction)", "weight sync (s)"):
+        assert f">{title}<" in html
+    assert "rollout worker restarts" not in html  # none happened
+    rows[-1]["rollout/worker_restarts"] = 1.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ">rollout worker restarts<" in write_report(run).read_text()
 
 
 def test_tokens_are_decoded_with_the_runs_tokenizer(run_dir: Path) -> None:

@@ -1,8 +1,10 @@
 """``report.html``: one self-contained page per run, viewable with no network.
 
-It holds the run's learning curves as inline SVG (reward, success, each reward component,
+It holds where the run ran (learner ranks, rollout workers, how far rollouts ran ahead);
+the run's learning curves as inline SVG (reward, success, each reward component,
 entropy, in-group reward std, gradient norm, clip fraction, tool-call rate, turns,
-lengths, throughput, ...) with the monitors' alarms marked where they fired; the alarms
+lengths, throughput, staleness, weight syncs, ...) with the monitors' alarms marked where
+they fired; the alarms
 with their advice; an evaluation table; and a trajectory viewer: episodes sampled evenly
 over the run, filtered by step, reward and text, each shown turn by turn with its tokens:
 the model's sampled tokens (trained on) and the prompt and observation tokens (masked)
@@ -43,7 +45,14 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("step time (s)", ("perf/step_s", "perf/rollout_s", "perf/rollout_wait_s")),
     ("policy versions behind the learner",
      ("rollout/policy_lag_mean", "rollout/policy_lag_max", "rollout/policy_lag_tokens_mean")),
+    ("trajectories by versions behind (fraction)", ("rollout/staleness_*",)),
+    ("weight sync (s)", ("perf/weight_sync_s", "perf/rollout_sync_s", "perf/rollout_offer_s",
+                         "perf/mid_batch_sync_s")),
+    ("rollout worker restarts", ("rollout/worker_restarts",)),
 )  # fmt: skip
+SHOWN_IF_NONZERO = {"rollout worker restarts"}
+"""Panels drawn only where a value is not 0 (a flat zero says nothing a missing panel
+does not)."""
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
 MAX_STEPS_SHOWN = 24
 """Steps whose episodes the viewer holds (evenly spaced over the run)."""
@@ -99,6 +108,7 @@ def _overview(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
     facts = [
         ("environment", f"{env.get('name', '?')} {json.dumps(env.get('options', {}))}"),
         ("advantage / loss", f"{algo.get('advantage', '?')} / {algo.get('policy_loss', 'ppo')}"),
+        ("layout", layout(config)),
         ("steps logged", str(len(rows))),
     ]
     last = rows[-1] if rows else {}
@@ -112,6 +122,30 @@ def _overview(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
                       f"{evals[-1]['step']})"))  # fmt: skip
     cells = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts)
     return f"<table class='facts'>{cells}</table>"
+
+
+def layout(config: dict[str, Any]) -> str:
+    """Where the run's parts ran and how far its rollouts ran ahead, in words, from its
+    ``config.json``: ``in process, synchronous`` or, say, ``2 learner ranks (FSDP2), 2
+    rollout workers (weight_sync auto), asynchronous: max_staleness 2, partial
+    rollouts``."""
+    c, algo = config.get("cluster", {}), config.get("algorithm", {})
+    parts = []
+    if c.get("learner_ranks", 0):
+        where = " on Ray" if c.get("learner_placement") == "ray" else ""
+        parts.append(f"{c['learner_ranks']} learner rank(s) (FSDP2{where})")
+    if c.get("rollout_workers", 0):
+        sync = c.get("weight_sync", "?")
+        parts.append(f"{c['rollout_workers']} rollout worker(s) (weight_sync {sync})")
+    if c.get("address"):
+        parts.append(f"Ray cluster {c['address']}")
+    k = algo.get("max_staleness", 0)
+    timing = "synchronous"
+    if k:
+        timing = f"asynchronous: max_staleness {k}"
+        timing += ", partial rollouts" if algo.get("partial_rollouts") else ""
+        timing += ", overlapping batches" if algo.get("overlap_batches") else ""
+    return ", ".join(parts or ["in process"]) + ", " + timing
 
 
 def _series(rows: Sequence[dict[str, Any]], pattern: str) -> dict[str, list[tuple[float, float]]]:
@@ -135,6 +169,8 @@ def _panels(rows: Sequence[dict[str, Any]], alarms: Sequence[dict[str, Any]]) ->
         for pattern in patterns:
             series.update(_series(rows, pattern))
         if not series:
+            continue
+        if title in SHOWN_IF_NONZERO and not any(y for pts in series.values() for _, y in pts):
             continue
         marks = [a for a in alarms if a.get("metric") in series]
         panels.append(svg_chart(title, series, marks))
