@@ -1,15 +1,14 @@
 """``report.html``: one self-contained page per run, viewable with no network.
 
 It holds where the run ran (learner ranks, rollout workers, how far rollouts ran ahead);
-the run's learning curves as inline SVG (reward, success, each reward component,
-entropy, in-group reward std, gradient norm, clip fraction, tool-call rate, turns,
-lengths, throughput, staleness, weight syncs, ...) with the monitors' alarms marked where
-they fired; the alarms
-with their advice; an evaluation table; and a trajectory viewer: episodes sampled evenly
-over the run, filtered by step, reward and text, each shown turn by turn with its tokens:
-the model's sampled tokens (trained on) and the prompt and observation tokens (masked)
-look different, each sampled token's log-probability shows on hover, and the tool calls,
-results, reward components and stop reason are listed.
+the run's learning curves as inline SVG (reward, success, each reward component, entropy,
+in-group reward std, gradient norm, clip fraction, tool-call rate, turns, lengths,
+throughput, staleness, weight syncs, ...) with the monitors' alarms marked where they
+fired; the alarms with their advice; an evaluation table; and a trajectory viewer:
+episodes sampled evenly over the run, filtered by step, reward and text, each shown turn
+by turn with its tokens: the model's sampled tokens (trained on) and the prompt and
+observation tokens (masked) look different, each sampled token's log-probability shows
+on hover, and the tool calls, results, reward components and stop reason are listed.
 
 It reads ``metrics.jsonl``, ``alarms.jsonl``, ``trajectories.jsonl`` and ``config.json``,
 so it works on a finished, running or killed run; tokens are decoded with the run's
