@@ -124,9 +124,9 @@ def test_the_cluster_section_is_shown_and_bad_values_are_refused(
     }  # fmt: skip
     assert "rollout_workers = 0  # Inference engines with their environments: 0 samples" in out
     assert load_config(None, ["cluster.rollout_workers=2"]).cluster.rollout_workers == 2
-    warned = inert_settings(load_config(None, ["cluster.address=ray://head:10001"]))
+    warned = inert_settings(load_config(None, ["cluster.address=10.0.0.1:6379"]))
     assert warned == [
-        "cluster.address = 'ray://head:10001' has no effect: only rollout workers "
+        "cluster.address = '10.0.0.1:6379' has no effect: only rollout workers "
         "(cluster.rollout_workers >= 1) and learner ranks placed by Ray "
         "(cluster.learner_placement = 'ray') join a Ray cluster"
     ]

@@ -17,6 +17,7 @@ import pytest
 
 from turnrl.distributed import ray_cluster
 from turnrl.errors import ConfigError
+from turnrl.trainer.config import load_config
 
 
 def closed_port() -> int:
@@ -55,7 +56,6 @@ def silent_port() -> Iterator[int]:
     ("address", "expected"),
     [
         ("10.0.0.5:6379", ("10.0.0.5", 6379)),
-        ("ray://head:10001", ("head", 10001)),
         ("[::1]:6379", ("::1", 6379)),
         ("auto", ("auto", None)),
         ("head", ("head", None)),
@@ -64,6 +64,16 @@ def silent_port() -> Iterator[int]:
 )
 def test_an_address_s_host_and_port(address: str, expected: tuple[str, int | None]) -> None:
     assert ray_cluster.host_port(address) == expected
+
+
+def test_a_ray_client_address_is_refused_saying_what_to_give() -> None:
+    """The workers and ranks connect to the driver directly: a driver behind Ray Client
+    cannot be reached, so ``ray://`` is refused when the settings are read."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["cluster.rollout_workers=2", "cluster.address=ray://head:10001"])
+    message = str(caught.value)
+    assert message.startswith("cluster.address = 'ray://head:10001': Ray Client addresses")
+    assert "HEAD_IP:6379" in message
 
 
 def test_an_address_where_nothing_listens_is_an_error_naming_the_setting() -> None:

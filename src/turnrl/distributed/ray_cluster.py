@@ -82,9 +82,9 @@ def leave() -> None:
 
 
 def knock(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """A ``ConfigError`` unless something at ``address`` (``HOST:PORT`` or
-    ``ray://HOST:PORT``) accepts a TCP connection within ``timeout_s``. Addresses Ray
-    resolves itself (``auto``, ``local``) and those without a port are left to Ray."""
+    """A ``ConfigError`` unless something at ``address`` (``HOST:PORT``) accepts a TCP
+    connection within ``timeout_s``. Addresses Ray resolves itself (``auto``, ``local``)
+    and those without a port are left to Ray."""
     host, port = host_port(address)
     if port is None:
         return
@@ -101,11 +101,10 @@ def knock(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 
 
 def host_port(address: str) -> tuple[str, int | None]:
-    """``address``'s host and port (``ray://`` stripped); the port None where it has none."""
-    rest = address.removeprefix("ray://")
-    host, sep, port = rest.rpartition(":")
+    """``address``'s host and port; the port None where it has none."""
+    host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        return rest, None
+        return address, None
     return host.strip("[]"), int(port)
 
 
@@ -122,7 +121,7 @@ def join_failure(address: str, exc: BaseException) -> str:
         message += (
             ". Something accepts connections there but did not answer as a Ray head: give "
             "the port `ray start --head` printed (its GCS, 6379 unless --port said), not the "
-            "dashboard's; a Ray Client server is ray://HOST:PORT"
+            "dashboard's"
         )
     return message
 

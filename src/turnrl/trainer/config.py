@@ -685,10 +685,13 @@ class ClusterConfig:
     a worker that misses it stops the run with an error naming it."""
     address: str = ""
     """The Ray cluster the rollout workers (and ranks placed by Ray) join: ``HEAD_IP:6379``
-    as ``ray start --head`` prints it, ``"auto"`` for the one this machine is a node of, or
-    a Ray Client's ``"ray://head:10001"``; "" starts a local one on this machine. Checked
-    before the run builds anything: nothing accepting a connection there within 10 s is an
-    error, and so is no Ray head answering within 3 of Ray's tries (about 2 minutes)."""
+    as ``ray start --head`` prints it, or ``"auto"`` for the one this machine is a node of;
+    "" starts a local one on this machine. Checked before the run builds anything: nothing
+    accepting a connection there within 10 s is an error, and so is no Ray head answering
+    within 3 of Ray's tries (about 2 minutes). Not a Ray Client's ``ray://`` address: the
+    driver runs here, and the workers and ranks connect to it directly (the weight
+    broadcast's store, the learner's rendezvous), so it must be where the cluster reaches
+    it."""
 
     def __post_init__(self) -> None:
         _require(
@@ -700,6 +703,13 @@ class ClusterConfig:
                     self.learner_placement == "local" or self.learner_ranks >= 1,
                     "cluster.learner_placement = 'ray' places learner ranks: set "
                     "cluster.learner_ranks >= 1",
+                ),
+                (
+                    not self.address.startswith("ray://"),
+                    f"cluster.address = {self.address!r}: Ray Client addresses are not "
+                    "supported (the workers and ranks connect to the driver directly): run "
+                    "turnrl on a machine the cluster reaches, with the head's address as "
+                    "`ray start --head` prints it (HEAD_IP:6379)",
                 ),
             ]
         )
