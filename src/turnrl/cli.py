@@ -171,7 +171,7 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.out or Path("runs") / config.name
     print(f"turnrl: run directory {run_dir}")
     t0 = time.perf_counter()
-    train(  # in process, or with cluster.learner_ranks >= 1 a learner group
+    result = train(  # in process, or with cluster.learner_ranks >= 1 a learner group
         config, out=run_dir, resume=args.resume, progress=not args.no_progress,
         on_row=_report_every(run_dir, REPORT_EVERY_S),
     )  # fmt: skip
@@ -189,7 +189,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"turnrl: trajectories {run_dir / 'trajectories.jsonl'}")
     print(f"turnrl: curves       {run_dir / 'learning_curve.png'}")
     print(f"turnrl: report       {report}")
-    return 0
+    return 130 if result.interrupted else 0  # stopped by Ctrl-C: the shell's code for it
 
 
 REPORT_EVERY_S = 60.0

@@ -38,6 +38,7 @@ import datetime
 import faulthandler
 import math
 import os
+import signal
 import threading
 import time
 import traceback
@@ -816,6 +817,9 @@ def serve(
     if crash_file:
         report = open(crash_file, "w")  # noqa: SIM115 - held open until the process ends
         faulthandler.enable(file=report, all_threads=True)
+    # A terminal's Ctrl-C reaches the driver's whole process group: the driver decides
+    # (the step under way finishes and is saved, trainer/interrupt.py; or it closes us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     try:
         learner = join_group(rank, world, store_address, spec, device_index=rank)

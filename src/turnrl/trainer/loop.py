@@ -48,6 +48,7 @@ from turnrl.trainer.checkpoint import (
     save_start_policy,
 )
 from turnrl.trainer.config import Config, inert_settings, resolved
+from turnrl.trainer.interrupt import stop_after_step_on_ctrl_c
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.pipeline import add_timings, stepper
@@ -70,6 +71,8 @@ class RunResult:
     run_dir: Path
     rows: list[Row] = field(default_factory=list)
     alarms: list[Alarm] = field(default_factory=list)
+    interrupted: bool = False
+    """Whether a Ctrl-C stopped the run early (after a step, with its checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -258,41 +261,47 @@ def _run(
         )  # fmt: skip
         started = time.perf_counter()
         steps = stepper(t)  # synchronous, or the next rollout overlapped (max_staleness)
-        try:
-            for step in bar:
-                row = steps.step(t, step, traj_out)
-                alarms = monitor.update(row)
-                stop = bool(alarms) and config.monitor.action == "stop"
-                if alarms:  # an alarm may switch on variance filtering
-                    t = t.with_config(_on_alarm(t.config, progress))
-                done = step + 1
-                elapsed = time.perf_counter() - started
-                out_of_time = config.max_minutes > 0 and elapsed > 60 * config.max_minutes
-                last = done == config.steps or out_of_time or stop
-                if done % config.eval.every == 0 or last:
-                    add_timings(row, steps.before_eval(t))
-                    row.update(evaluate(t))
-                row["perf/elapsed_s"] = time.perf_counter() - started
-                for alarm in alarms:
-                    row[f"alarm/{alarm.name}"] = 1.0
-                    alarms_out.write(json.dumps(alarm.to_json()) + "\n")
-                    _say(alarm.message(), progress)
-                alarms_out.flush()
-                result.alarms.extend(alarms)
-                emit(row)
-                bar.set_postfix(
-                    success=f"{row['rollout/success_mean']:.2f}",
-                    reward=f"{row['rollout/reward_mean']:.2f}",
-                    errors=f"{row['rollout/errors']:.0f}",
-                )
-                if done % config.save_every == 0 or last:
-                    _save(t, run_dir, tokenizer, done, steps.learner_version(t))
-                if stop:
-                    _say(f"stopping after step {done}: monitor.action = stop", progress)
-                if out_of_time or stop:
-                    break
-        finally:
-            steps.close()
+        with stop_after_step_on_ctrl_c() as ctrl_c:
+            try:
+                for step in bar:
+                    row = steps.step(t, step, traj_out)
+                    alarms = monitor.update(row)
+                    stop = bool(alarms) and config.monitor.action == "stop"
+                    if alarms:  # an alarm may switch on variance filtering
+                        t = t.with_config(_on_alarm(t.config, progress))
+                    done = step + 1
+                    elapsed = time.perf_counter() - started
+                    out_of_time = config.max_minutes > 0 and elapsed > 60 * config.max_minutes
+                    asked = ctrl_c.is_set()  # Ctrl-C: this step is the last, and is saved
+                    last = done == config.steps or out_of_time or stop or asked
+                    if done % config.eval.every == 0 or last:
+                        add_timings(row, steps.before_eval(t))
+                        row.update(evaluate(t))
+                    row["perf/elapsed_s"] = time.perf_counter() - started
+                    for alarm in alarms:
+                        row[f"alarm/{alarm.name}"] = 1.0
+                        alarms_out.write(json.dumps(alarm.to_json()) + "\n")
+                        _say(alarm.message(), progress)
+                    alarms_out.flush()
+                    result.alarms.extend(alarms)
+                    emit(row)
+                    bar.set_postfix(
+                        success=f"{row['rollout/success_mean']:.2f}",
+                        reward=f"{row['rollout/reward_mean']:.2f}",
+                        errors=f"{row['rollout/errors']:.0f}",
+                    )
+                    if done % config.save_every == 0 or last:
+                        _save(t, run_dir, tokenizer, done, steps.learner_version(t))
+                    if stop:
+                        _say(f"stopping after step {done}: monitor.action = stop", progress)
+                    if asked:
+                        result.interrupted = True
+                        _say(f"stopped after step {done} by Ctrl-C, its checkpoint written: "
+                             "--resume continues the run", progress)  # fmt: skip
+                    if out_of_time or stop or asked:
+                        break
+            finally:
+                steps.close()
         if config.steps == 0 or start >= config.steps:
             _save(t, run_dir, tokenizer, start, steps.learner_version(t))
     return result
