@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,16 @@ from turnrl.trainer.loop import train
 
 RUN = [*SMALL_RUN, "steps=5", "save_every=10", "eval.every=10"]
 """No checkpoint before the end but the one the Ctrl-C asks for."""
+
+
+@pytest.fixture(autouse=True)
+def python_s_own_sigint_handler() -> Iterator[None]:
+    """SIGINT handled as under a terminal, by Python's own handler: a process started in
+    the background (as CI may start the suite) inherits it ignored, and then turnrl
+    rightly leaves it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
