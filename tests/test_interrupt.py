@@ -5,7 +5,6 @@ SIGINT, as a terminal sends it."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import SMALL_RUN
+from test_train import deterministic, rows
 from turnrl.cli import main
 from turnrl.trainer.config import load_config
 from turnrl.trainer.interrupt import stop_after_step_on_ctrl_c
@@ -34,14 +34,6 @@ def python_s_own_sigint_handler() -> Iterator[None]:
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
-
-
-def rows(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def deterministic(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if not k.startswith("perf/") and k != "warmup/s"}
 
 
 def ctrl_c_at(step: int, times: int = 1) -> Any:
