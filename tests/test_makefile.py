@@ -35,6 +35,7 @@ def test_make_test_runs_the_checks_the_suite_and_the_vllm_tests() -> None:
         '-m "not learning and not serial"',
         '-m "learning or serial"',
         "nice -n 19 .venv/bin/mypy",  # beside the suite
+        "ATEN_CPU_CAPABILITY=default .venv/bin/pytest",  # a CPU unlike this one, simulated
     ):
         assert step in commands, step
     if shutil.which("nvidia-smi") is None:  # a CPU machine: the vLLM tests in their venv

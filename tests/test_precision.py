@@ -57,14 +57,23 @@ def test_bf16_mixed_keeps_float32_master_weights_and_autocasts_the_compute(
 
 def test_bf16_sampler_and_learner_agree_to_bf16_rounding(model: Any, tokenizer: Any) -> None:
     """The torch sampler under the same autocast: close to the learner (within the bf16
-    start-up tolerance), but not float32-close, which is why the tolerance depends on it."""
+    start-up tolerance). bf16's own rounding is far above float32's, which is why the
+    tolerance depends on it; how much of it shows between the sampler's and the learner's
+    passes depends on the CPU's kernels (ATen's scalar ``default`` kernels give both the
+    same numbers, a gap of 0), so that gap is held only to its upper bound."""
     learner = Learner(model, algo(), temperature=1.0, autocast=torch.bfloat16)
     backend = TorchBackend(model, tokenizer, autocast=torch.bfloat16)
     batch = rollout_batch(model, tokenizer, tasks=2, group=2)  # float32 sampler: the gap
     with torch.no_grad():
         ours, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rounded, _ = token_logprobs(
+                model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0
+            )
     samples_gap = float((ours - batch.old_logprobs).abs()[batch.loss_mask].max())
     assert samples_gap < 1e-4  # float32 sampler vs float32 learner
+    bf16_rounding = float((rounded - ours).abs()[batch.loss_mask].max())
+    assert bf16_rounding > 5e-4  # what bf16 does to the log-probs, on any CPU
     from test_learner import SPEC  # the probe environment
     from turnrl.models.loading import stop_token_ids
     from turnrl.rollout.chat import ChatRenderer
@@ -81,11 +90,9 @@ def test_bf16_sampler_and_learner_agree_to_bf16_rounding(model: Any, tokenizer: 
     )  # fmt: skip
     samples = [s for g in groups for t in g for s in t.samples()]
     gap = learner.sampler_gap(samples, backend.pad_id)
-    assert (
-        1e-5
-        < gap
-        < resolved(load_config(None, ["model.precision=bf16-mixed"])).rollout.startup_tolerance
-    )
+    tolerance = resolved(load_config(None, ["model.precision=bf16-mixed"])).rollout
+    assert 0.0 <= gap < tolerance.startup_tolerance
+    assert tolerance.startup_tolerance > bf16_rounding  # the tolerance covers bf16's rounding
 
 
 def _collect(backend: TorchBackend, tokenizer: Any, seed: int = 3) -> list[Any]:
