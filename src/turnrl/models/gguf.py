@@ -286,11 +286,11 @@ def _locked(path: Path) -> Iterator[None]:
 
 def _gguf() -> Any:
     """The ``gguf`` package, or a ``ConfigError`` with the command that installs it."""
-    if importlib.util.find_spec("gguf") is None:
+    try:
+        import gguf
+    except ImportError:
         raise ConfigError(
             f"reading a GGUF file needs the gguf package, which is not installed: run "
             f"`{GGUF_INSTALL}` (or install turnrl with the gguf extra: turnrl[gguf])"
-        )
-    import gguf
-
+        ) from None
     return gguf
