@@ -38,9 +38,10 @@ pytestmark = pytest.mark.skipif(
 TWO_STEPS = [
     "model.path=smollm2-135m", "steps=2", "warmup.steps=0", "eval.num_tasks=2",
     "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_turns=2",
-    "rollout.max_tokens_per_turn=8", "algorithm.epochs=1", "algorithm.kl.coef=0",
+    "rollout.max_tokens_per_turn=8", "algorithm.epochs=1", "algorithm.kl.coef=0", "threads=1",
 ]  # fmt: skip
-"""Two GRPO steps on SmolLM2, as small as a step gets: 4 episodes, 8 tokens a turn."""
+"""Two GRPO steps on SmolLM2, as small as a step gets: 4 episodes, 8 tokens a turn, one
+torch thread (on a busy 2-core machine two threads took over ten times as long)."""
 
 
 @pytest.fixture(scope="session")

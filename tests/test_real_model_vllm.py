@@ -30,7 +30,7 @@ pytestmark = [
 def test_two_training_steps_with_vllm_sampling(tmp_path: Path) -> None:
     result = train(
         "grpo", out=tmp_path / "run", progress=False,
-        overrides=[*TWO_STEPS, "rollout.backend=vllm", "threads=1"],
+        overrides=[*TWO_STEPS, "rollout.backend=vllm"],
     )  # fmt: skip
     first, *steps = result.rows
     assert first["startup/template_prefix"] == 1.0
