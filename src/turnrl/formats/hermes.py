@@ -1,7 +1,9 @@
 """The hermes/Qwen tool-call format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
 Qwen2.5 and Hermes-style chat templates render the tool list themselves, so
-``system_prompt`` is only a fallback for templates that cannot.
+``system_prompt`` and ``for_plain_template`` are only for templates that cannot: the tool
+list goes into the system turn and each turn's results into one user turn of
+``<tool_response>`` blocks, the layout Qwen2.5's template writes.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from turnrl.formats.plain_template import merged_tool_turns, tools_in_system
 from turnrl.protocols import ParsedAction, ToolSchema
 from turnrl.types import Message, ToolCall
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+RESULT_OPEN = "<tool_response>"
+RESULT_CLOSE = "</tool_response>"
 _WHITESPACE = " \t\n\r"
 _DECODER = json.JSONDecoder()
 _JSON_KINDS: dict[type, str] = {str: "string", bool: "boolean", int: "number", float: "number"}
@@ -41,6 +46,17 @@ class HermesFormat:
             '<tool_call>\n{"name": <the function\'s name>, "arguments": <an object of '
             "argument values>}\n</tool_call>"
         )
+
+    def for_plain_template(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema]
+    ) -> list[Message]:
+        """The conversation for a template that renders no tools: ``system_prompt`` at the
+        end of the system turn, and the results of each turn's calls in one user turn, a
+        ``<tool_response>`` block each (Qwen2.5's layout)."""
+        return merged_tool_turns(
+            tools_in_system(messages, self.system_prompt(tools)), "user",
+            lambda content: f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}", "\n",
+        )  # fmt: skip
 
     def render_call(self, call: ToolCall) -> str:
         body = {"name": call.name, "arguments": dict(call.arguments)}

@@ -21,6 +21,7 @@ from turnrl.formats._json_call import (
     excerpt,
     skip_whitespace,
 )
+from turnrl.formats.plain_template import renamed_tool_turns, tools_in_system
 from turnrl.protocols import ParsedAction, ToolSchema
 from turnrl.types import Message, ToolCall
 
@@ -47,6 +48,14 @@ class Llama3JsonFormat:
             "argument values>}. Use literal values only.\n\n"
             f"{listing}"
         )
+
+    def for_plain_template(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema]
+    ) -> list[Message]:
+        """The conversation for a template that renders no tools: ``system_prompt`` at the
+        end of the system turn, and each result in an ``ipython`` turn (Llama 3.1's role
+        for what a tool returned)."""
+        return renamed_tool_turns(tools_in_system(messages, self.system_prompt(tools)), "ipython")
 
     def render_call(self, call: ToolCall) -> str:
         body = {"name": call.name, "parameters": dict(call.arguments)}

@@ -22,10 +22,13 @@ from turnrl.formats._json_call import (
     json_kind,
     skip_whitespace,
 )
+from turnrl.formats.plain_template import merged_tool_turns, tools_in_system
 from turnrl.protocols import ParsedAction, ToolSchema
 from turnrl.types import Message, ToolCall
 
 TOOL_CALLS = "[TOOL_CALLS]"
+TOOL_RESULTS = "[TOOL_RESULTS]"
+TOOL_RESULTS_END = "[/TOOL_RESULTS]"
 _ARGUMENT_KEYS = ("arguments",)
 
 
@@ -46,6 +49,18 @@ class MistralFormat:
             'To call tools, reply with [TOOL_CALLS] followed by a JSON list: [TOOL_CALLS][{"name": '
             '<function-name>, "arguments": <args-json-object>}]'
         )
+
+    def for_plain_template(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema]
+    ) -> list[Message]:
+        """The conversation for a template that renders no tools: ``system_prompt`` at the
+        end of the system turn, and the results of each turn's calls in one user turn of
+        ``[TOOL_RESULTS]`` blocks (so user and assistant turns still alternate, as Mistral's
+        templates require)."""
+        return merged_tool_turns(
+            tools_in_system(messages, self.system_prompt(tools)), "user",
+            lambda content: f"{TOOL_RESULTS}{content}{TOOL_RESULTS_END}", "",
+        )  # fmt: skip
 
     def render_call(self, call: ToolCall) -> str:
         body = [{"name": call.name, "arguments": dict(call.arguments)}]

@@ -3,13 +3,16 @@
 Every model, the embedded tiny one included, goes through ``AutoTokenizer`` and
 ``AutoModelForCausalLM``: a Qwen2.5 instruct model in a local directory loads exactly like a
 directory written by ``build_tiny_model``. A hub id is looked up in the local hub cache
-first, then on the hub (when the hub is not switched off with ``HF_HUB_OFFLINE``).
+first, then on the hub (when the hub is not switched off with ``HF_HUB_OFFLINE``). A GGUF
+file, a directory holding one, or a named model (``gguf.NAMED_MODELS``) loads as the
+checkpoint imported from it (``gguf.resolve_model``).
 
 What does not live here: building the tiny model (``tiny.py``) and generation (backends).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +28,10 @@ from transformers import (
 )
 
 from turnrl.errors import ConfigError, TemplateError
+from turnrl.models.gguf import resolve_model
 from turnrl.models.lora import ADAPTER_CONFIG, adapter_base, merged
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -41,6 +47,7 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     Raises ``TemplateError`` if it has no chat template (turnrl renders every conversation
     through it). A tokenizer without a pad token gets its end-of-sequence token as pad.
     """
+    name_or_path = resolve_model(name_or_path, say=logger.info)
     tokenizer: PreTrainedTokenizerBase = _load(
         AutoTokenizer.from_pretrained, name_or_path, "tokenizer", {}
     )
@@ -71,6 +78,7 @@ def load_model(
     an accelerator. ``attention``: transformers' ``attn_implementation`` (``auto`` leaves
     transformers' default).
     """
+    name_or_path = resolve_model(name_or_path, say=logger.info)
     adapters = Path(str(name_or_path)).expanduser()
     if (adapters / ADAPTER_CONFIG).is_file():  # LoRA adapters: their base, merged
         base = load_model(adapter_base(adapters), dtype=dtype, device=device, attention=attention)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.errors import TemplateError
+from turnrl.formats.plain_template import for_plain_template
 from turnrl.protocols import Format, ToolSchema
 from turnrl.types import Message, ToolCall
 
@@ -56,9 +57,19 @@ class Continuation:
 
 
 class ChatRenderer:
-    """Renders conversations to token ids with one tokenizer's chat template."""
+    """Renders conversations to token ids with one tokenizer's chat template.
 
-    def __init__(self, tokenizer: Any, tools: Sequence[ToolSchema] = ()) -> None:
+    Tools offered to the conversation (``with_tools``) are rendered by the template where
+    it renders tools (``template_tools``). Where it does not, the renderer writes them in
+    the conversation's call format instead (``call_format``, see
+    ``turnrl.formats.plain_template``): the tool list at the end of the system turn and
+    the tool results in the turns the format documents, rewritten just before the template
+    is applied, so the messages held and the ids sampled are never changed.
+    """
+
+    def __init__(
+        self, tokenizer: Any, tools: Sequence[ToolSchema] = (), call_format: Format | None = None
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 "the tokenizer has no chat template; turnrl needs one to render conversations"
@@ -66,15 +77,19 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self._control = _ControlTokens(tokenizer)
         self._start = _TextStart(tokenizer, self._control.anchor)
+        self.template_tools = _renders_tools(tokenizer)
+        """The chat template renders a ``tools=`` list (else the call format writes it)."""
+        self.call_format = call_format
         self.tools: list[ToolSchema] | None = None
         self._dirty_tools: dict[Location, str] = {}
         self._set_tools(tools)
 
     def _set_tools(self, tools: Sequence[ToolSchema]) -> None:
-        if tools and "tools" not in self.tokenizer.chat_template:
+        if tools and not self.template_tools and self.call_format is None:
             raise TemplateError(
-                "the tokenizer's chat template does not render tools; use a format that puts "
-                "the tool list in the system prompt (template_tools=False)"
+                "the tokenizer's chat template does not render tools, and no tool-call "
+                "format was given to write the tool list into the system turn; use a "
+                "format that puts it in the system prompt (template_tools=False)"
             )
         self.tools = list(tools) or None
         self._dirty_tools = {
@@ -83,11 +98,23 @@ class ChatRenderer:
             if self._control.found_in(leaf)
         }
 
-    def with_tools(self, tools: Sequence[ToolSchema]) -> ChatRenderer:
-        """The same renderer for a conversation that offers ``tools``."""
+    def with_tools(
+        self, tools: Sequence[ToolSchema], call_format: Format | None = None
+    ) -> ChatRenderer:
+        """The same renderer for a conversation that offers ``tools``, its calls written in
+        ``call_format`` (kept from this renderer where None): the format writes the tool
+        list and the results where the template renders no tools."""
         other = copy.copy(self)  # shares the tokenizer and what was read from its vocabulary
+        if call_format is not None:
+            other.call_format = call_format
         other._set_tools(tools)
         return other
+
+    @property
+    def format_writes_tools(self) -> bool:
+        """The conversation offers tools that the template cannot render: the call format
+        writes them into the system turn, and writes the results."""
+        return bool(self.tools) and not self.template_tools
 
     def text(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
         return self._render(messages, self.tools, add_generation_prompt)
@@ -95,6 +122,10 @@ class ChatRenderer:
     def _render(
         self, messages: Sequence[Any], tools: Sequence[Any] | None, add_generation_prompt: bool
     ) -> str:
+        if tools and not self.template_tools:
+            assert self.call_format is not None  # _set_tools refused tools without one
+            messages = for_plain_template(self.call_format, messages, tools)
+            tools = None
         out = self.tokenizer.apply_chat_template(
             list(messages),
             tools=tools,
@@ -334,7 +365,10 @@ class TemplateReport:
 
 
 def template_report(
-    renderer: ChatRenderer, call_format: Format, stop_token_ids: Sequence[int]
+    renderer: ChatRenderer,
+    call_format: Format,
+    stop_token_ids: Sequence[int],
+    tools: Sequence[ToolSchema] | None = None,
 ) -> TemplateReport:
     """Check ``renderer``'s template on a probe episode, as ``run_episode`` would play it.
 
@@ -343,8 +377,10 @@ def template_report(
     token's string and every control string the template wrote in the prompt); the
     assistant answers. Each assistant turn is held as the ids of its text (as encoded
     after the prompt) followed by the first stop token, as a sampler would have produced
-    them. The tools are the renderer's, else ``PROBE_TOOL`` (rendered by the template if
-    the format says so, else described in the system prompt, as ``ToolEnv`` does). Never
+    them. The tools are ``tools``, else the renderer's, else ``PROBE_TOOL`` (rendered by
+    the template if the format says so and the template can, else described in the system
+    prompt: by the environment, as ``ToolEnv`` does, where the format says so, else by the
+    renderer in the format's way). Never
     raises for a template's failure: a failure is a ``problems`` line. Meant for a
     start-up check: a template that fails ``prefix`` splits every tool episode into
     per-turn samples.
@@ -352,10 +388,10 @@ def template_report(
     if not stop_token_ids:
         raise ValueError("template_report needs the stop token ids (the end of a turn)")
     stop = int(stop_token_ids[0])
-    tools = list(renderer.tools or [PROBE_TOOL])
+    tools = list(tools or renderer.tools or [PROBE_TOOL])
     system = "You are a careful assistant."
     if call_format.template_tools:
-        renderer = renderer.with_tools(tools)
+        renderer = renderer.with_tools(tools, call_format)
     else:
         renderer = renderer.with_tools(())
         system = f"{system}\n\n{call_format.system_prompt(tools)}"
@@ -565,6 +601,22 @@ class _TextStart:
         if not text.startswith(mark):
             raise TemplateError(f"the tokenizer does not decode {mark!r} to itself")
         return text[len(mark) :]
+
+
+def _renders_tools(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s chat template renders a ``tools=`` list: it names ``tools``
+    and a one-message conversation renders otherwise with ``PROBE_TOOL`` than without."""
+    if "tools" not in tokenizer.chat_template:
+        return False
+    probe = [{"role": "user", "content": "Hello."}]
+    try:
+        renders = [
+            tokenizer.apply_chat_template(probe, tools=t, tokenize=False)
+            for t in ([PROBE_TOOL], None)
+        ]
+    except Exception:  # a template that cannot render the probe: trust that it names tools
+        return True
+    return bool(renders[0] != renders[1])
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:

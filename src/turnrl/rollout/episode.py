@@ -134,7 +134,8 @@ async def _play(
     waiting: list[str],
 ) -> None:
     messages = list(await env.reset(task, seed))
-    renderer = renderer.with_tools(env.tool_schemas())  # the env knows its tools after reset
+    # the env knows its tools after reset; its format writes them where the template cannot
+    renderer = renderer.with_tools(env.tool_schemas(), getattr(env, "format", None))
     traj.messages = messages
     new_ids = renderer.prompt(messages)
     context: list[int] = list(new_ids)

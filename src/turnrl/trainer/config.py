@@ -74,7 +74,10 @@ class ModelConfig:
     """Which model to train."""
 
     path: str = ""
-    """A local directory or hub id; empty builds the tiny model into the run directory."""
+    """A local checkpoint directory or hub id; a ``.gguf`` file (or a directory holding
+    one), imported once into a float32 checkpoint in turnrl's cache; a named model
+    (``turnrl models list``: ``smollm2-135m``, from its installed package). Empty builds
+    the tiny model into the run directory."""
     arch: Literal["qwen2", "llama", "qwen3", "llama3", "mistral"] = "qwen2"
     """Tiny model architecture and chat family (used only when ``path`` is empty):
     ``qwen2``/``llama`` with turnrl's ChatML template, or a family's own template and

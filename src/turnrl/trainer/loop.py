@@ -27,7 +27,13 @@ from tqdm import tqdm
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.envs import EnvSpec, make_env_spec
 from turnrl.errors import BackendError, ConfigError, TemplateError
-from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from turnrl.models import (
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 from turnrl.models.loading import stop_token_ids
 from turnrl.models.lora import ADAPTER_CONFIG, add_lora, is_lora, load_adapters, merged_state_dict
 from turnrl.protocols import Backend
@@ -517,7 +523,14 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     tools = _tool_schemas(t, env)
     if tools is None:  # the environment's tools failed to build: its episodes will say why
         return {}
-    report = template_report(t.renderer.with_tools(tools), call_format, t.sampling.stop_token_ids)
+    report = template_report(t.renderer, call_format, t.sampling.stop_token_ids, tools=tools)
+    if call_format.template_tools and not t.renderer.template_tools:
+        _say(
+            f"the model's chat template does not render tools: turnrl writes the "
+            f"{call_format.name} tool list into the system turn, and the calls and results "
+            "in that format on the template's own turns",
+            progress,
+        )
     if not (report.round_trip and report.observation_as_text):
         raise TemplateError(
             f"the model's chat template fails turnrl's start-up check with the "
@@ -674,8 +687,8 @@ def _check_engine(config: Config) -> None:
 
 
 def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
-    if config.model.path:
-        return Path(config.model.path)
+    if config.model.path:  # a GGUF file or a named model: its imported checkpoint
+        return Path(resolve_model(config.model.path, say=lambda m: _say(m, progress)))
     tiny = tiny_model_config(config)
     target = run_dir / "base_model"
     if (target / "config.json").is_file():
