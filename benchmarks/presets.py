@@ -11,8 +11,8 @@ so a preset passes only if it learns from every seed's base model.
 
 Why 6000: at 2500 echo steps the tiny model's in-context copying is unfinished (echo loss
 still falling), and only turn-level credit (GiGPO) got past it in 15 minutes; with the
-copying finished, every preset learns the probe on seed 0 (README, "Algorithms and
-presets"; five of them thanks to the KL their recipes add).
+copying finished, every preset learns the probe on seed 0 (docs/measurements.md,
+"Presets"; five of them thanks to the KL their recipes add).
 
     python benchmarks/presets.py --minutes 15        # all presets, seeds 0 1 2, 2 at a time
     python benchmarks/presets.py --presets grpo gigpo --seeds 1 --minutes 3 --jobs 1

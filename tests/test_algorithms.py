@@ -1,4 +1,4 @@
-"""Advantage estimators and policy losses: ALGORITHMS.md test vectors, one test per branch of
+"""Advantage estimators and policy losses: docs/algorithms.md test values, one test per branch of
 each clip, and hypothesis properties (masking, padding, permutation, on-policy reduction,
 gradient accumulation, agreement with naive Python loops)."""
 
@@ -87,7 +87,7 @@ def test_public_api_is_pinned() -> None:
     }
 
 
-# --- Advantages: ALGORITHMS.md vectors -------------------------------------------------
+# --- Advantages: docs/algorithms.md test values -------------------------------------------------
 
 
 def test_grpo_unbiased_vector() -> None:
@@ -284,7 +284,7 @@ def test_rloo_matches_naive_loop(data: st.DataObject, num_prompts: int, group_si
     torch.testing.assert_close(rloo_advantages(t(rows)), t(naive_rloo(rows)))
 
 
-# --- Policy loss: ALGORITHMS.md vectors, one test per branch ---------------------------
+# --- Policy loss: docs/algorithms.md test values, one test per branch ---------------------------
 
 
 def loss_at(
@@ -684,7 +684,7 @@ def test_clipped_loss_matches_naive_loop(batch: Batch) -> None:
     torch.testing.assert_close(out.per_token_loss, t(naive_clipped_loss(batch)))
 
 
-# --- KL to a reference policy: ALGORITHMS.md vectors -----------------------------------
+# --- KL to a reference policy: docs/algorithms.md test values -----------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Dr. GRPO, REINFORCE++ (and -baseline), masked whitening and GiGPO: ALGORITHMS.md vectors,
-hand-computed cases, naive Python loops and hypothesis properties (masked slots change
-nothing, padding and permutation, group advantages sum to zero and ignore a shift)."""
+"""Dr. GRPO, REINFORCE++ (and -baseline), masked whitening and GiGPO: docs/algorithms.md
+test values, hand-computed cases, naive Python loops and hypothesis properties (masked
+slots change nothing, padding and permutation, group advantages sum to zero and ignore a shift)."""
 
 from __future__ import annotations
 

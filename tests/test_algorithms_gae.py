@@ -1,4 +1,4 @@
-"""GAE and turn-level GAE over multi-turn sequences, and the turn helpers: ALGORITHMS.md
+"""GAE and turn-level GAE over multi-turn sequences, and the turn helpers: docs/algorithms.md
 vectors, hand-computed cases, naive per-token loops, and hypothesis properties (masked
 observation tokens are skipped, whatever they hold; padding and permutation change nothing)."""
 
@@ -22,7 +22,7 @@ from turnrl.algorithms import (
     turn_values_to_tokens,
 )
 
-# --- ALGORITHMS.md vectors and hand-computed cases ----------------------------------------
+# --- docs/algorithms.md test values and hand-computed cases ---------------------------------------
 
 
 @pytest.mark.parametrize(

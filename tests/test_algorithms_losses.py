@@ -1,4 +1,4 @@
-"""GSPO, the clipped value loss, entropy from logits and the KL estimators: ALGORITHMS.md
+"""GSPO, the clipped value loss, entropy from logits and the KL estimators: docs/algorithms.md
 vectors, one test per branch of each clip/min/max, naive loops, and hypothesis properties
 (masked slots change nothing and get exactly zero gradient, padding and permutation, the
 on-policy identity)."""

@@ -1,5 +1,5 @@
 """Off-policy correction: token and sequence truncated importance sampling, sequence masking,
-decoupled PPO and policy-lag metrics. ALGORITHMS.md vectors, one test per branch, naive
+decoupled PPO and policy-lag metrics. docs/algorithms.md test values, one test per branch, naive
 loops and hypothesis properties (masked slots, on-policy identity, detached weights)."""
 
 from __future__ import annotations

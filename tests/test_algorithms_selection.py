@@ -1,5 +1,5 @@
 """Sample selection: DAPO dynamic-sampling filter, overlong shaping and filtering, StarPO-S
-variance filter. ALGORITHMS.md vectors, one test per branch, and hypothesis properties."""
+variance filter. docs/algorithms.md test values, one test per branch, and hypothesis properties."""
 
 from __future__ import annotations
 

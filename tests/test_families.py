@@ -1,7 +1,7 @@
 """Tiny models of the Qwen3, Llama-3 and Mistral families (beside the ChatML qwen2 one):
 built locally, loaded through the Auto classes, templates that lay conversations out as
 each family does, and token-exact multi-turn tool episodes in each family's call format
-(DESIGN.md invariant 1), with history rewrites split and counted."""
+(docs/design.md, invariant 1), with history rewrites split and counted."""
 
 from __future__ import annotations
 

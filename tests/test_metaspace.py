@@ -2,7 +2,7 @@
 and Mistral v0.3's): the start of a text gets a prefix space ("▁") that text after a control
 token does not, and the decoder drops it again. The chat encoder encodes and decodes each
 piece of a rendering as it reads inside the rendering, so these tokenizers pass the start-up
-template check and their tool episodes are token-exact (DESIGN.md invariant 1).
+template check and their tool episodes are token-exact (docs/design.md, invariant 1).
 
 The tokenizers are trained here on the tiny model's corpus: a BPE one built by transformers'
 own ``LlamaTokenizer`` (the class a Llama 2 or Mistral v0.3 checkpoint loads as; byte

@@ -3,7 +3,7 @@
 Everything here is frozen or append-only data with no behaviour beyond small derived
 views, and no torch: environment authors can use these types without an ML stack.
 Token ids and log-probabilities are plain Python lists so a trajectory serialises to JSON
-exactly as it was sampled (invariant 1 of DESIGN.md: training never re-tokenizes text).
+exactly as it was sampled (docs/design.md, invariant 1: training never re-tokenizes text).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RL estimators and losses as pure tensor functions (ALGORITHMS.md is the reference).
+"""RL estimators and losses as pure tensor functions (docs/algorithms.md is the reference).
 
 - ``advantages``: critic-free advantages (GRPO, Dr. GRPO, RLOO, REINFORCE++) and group stats;
 - ``gae``: GAE and turn-level (bi-level) GAE over multi-turn sequences, skipping masked tokens;

@@ -5,7 +5,7 @@ with a group of G sampled trajectories) and return one advantage per trajectory.
 REINFORCE++ estimators return one advantage per token, ``[B, T]`` with B = P * G sequences in
 prompt-major order (rows p*G .. p*G + G-1 are prompt p's group). Group statistics used by
 monitors (reward std, zero-variance groups) live here too, so the metrics and the estimators
-agree on one definition. Definitions and test vectors: ALGORITHMS.md, "Advantages".
+agree on one definition. Definitions and test vectors: docs/algorithms.md, "Advantages".
 
 Not here: estimators with a critic (``gae``) and GiGPO's step-level groups (``gigpo``).
 """

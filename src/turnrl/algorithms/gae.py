@@ -1,7 +1,7 @@
 """Generalised advantage estimation over multi-turn token sequences (PPO with a critic).
 
 Token-level GAE (Schulman et al. 2016, arXiv:1506.02438, eq. 16) with the multi-turn rule
-of ALGORITHMS.md, "GAE": positions where ``loss_mask`` is false (prompt, tool output,
+of docs/algorithms.md, "GAE": positions where ``loss_mask`` is false (prompt, tool output,
 observation tokens, padding) are skipped. The recursion runs over sampled tokens only and
 carries the next value and the running advantage across the skipped ones, so gamma and
 lambda apply between consecutive sampled tokens and the last token of one turn bootstraps

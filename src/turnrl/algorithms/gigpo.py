@@ -1,7 +1,7 @@
 """GiGPO: group-in-group advantages for multi-step agents, without a critic.
 
 Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"
-(arXiv:2505.10978); ALGORITHMS.md, "GiGPO". Two levels of group-relative credit:
+(arXiv:2505.10978); docs/algorithms.md, "GiGPO". Two levels of group-relative credit:
 
 - episode level: GRPO over the G trajectories of one task, on each trajectory's return;
 - step level: among those G trajectories, steps that acted on an identical observation form

@@ -1,7 +1,7 @@
 """Per-token estimators of KL(pi_theta || pi_ref) from samples of pi_theta.
 
 Schulman, "Approximating KL divergence" (2020, http://joschu.net/blog/kl-approx.html); the
-definitions and test vectors are ALGORITHMS.md, "KL to a reference policy". With
+definitions and test vectors are docs/algorithms.md, "KL to a reference policy". With
 ``log_ratio = ref_logprobs - logprobs`` on sampled tokens:
 
 - ``kl_k1`` = -log_ratio: unbiased, can be negative; the usual per-token penalty in the reward;
@@ -50,7 +50,7 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
     """Schulman's k3 estimate of KL(pi || pi_ref) per token: exp(d) - 1 - d, d = ref - logp.
 
-    Unbiased, non-negative and low-variance (ALGORITHMS.md, "KL to a reference policy").
+    Unbiased, non-negative and low-variance (docs/algorithms.md, "KL to a reference policy").
     Computed as expm1(d) - d: exp(d) - 1 - d cancels catastrophically for small d and can
     come out negative (d = 1e-197 gives -1e-197). Exactly 0 where ``loss_mask`` is False;
     masking uses torch.where, so inf/NaN there cannot leak into the value or the gradient.
@@ -69,7 +69,7 @@ def kl_k3_plus(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Ten
 
     A straight-through combination, k2 + stop_gradient(k3 - k2): the loss reads as the
     unbiased, non-negative k3, while its gradient is k2's, which is the gradient of the
-    reverse KL(pi_theta || pi_ref) that the penalty is meant to be (ALGORITHMS.md).
+    reverse KL(pi_theta || pi_ref) that the penalty is meant to be (docs/algorithms.md).
     """
     k2 = kl_k2(logprobs, ref_logprobs, loss_mask)
     k3 = kl_k3(logprobs, ref_logprobs, loss_mask)
@@ -79,4 +79,4 @@ def kl_k3_plus(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Ten
 KL_ESTIMATORS: Mapping[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = MappingProxyType(
     {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "k3+": kl_k3_plus}
 )
-"""The estimators by the names ALGORITHMS.md uses, for configs that pick one by name."""
+"""The estimators by the names docs/algorithms.md uses, for configs that pick one by name."""

@@ -6,7 +6,7 @@ policy-sampled tokens; false on prompt, tool output and padding) and masks with
 mask lets a bad value in a masked slot leak into the loss or its gradient. Inputs are
 sanitised with ``where`` before any arithmetic that could turn a masked value into a NaN
 gradient (the "double where"), and results are masked again at the end. Definitions and
-test vectors: ALGORITHMS.md, "Policy losses".
+test vectors: docs/algorithms.md, "Policy losses".
 
 Not here: the reductions that turn per-token losses into one number (``reductions``), KL
 estimators (``kl``) and off-policy weights (``off_policy``).
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # Bound on |log pi - log pi_old| before exponentiating: exp(20) ~ 5e8 is already far past
-# any clip range, and the bound keeps the ratio finite (ALGORITHMS.md, "PPO clip").
+# any clip range, and the bound keeps the ratio finite (docs/algorithms.md, "PPO clip").
 _MAX_LOG_RATIO = 20.0
 
 
@@ -135,7 +135,7 @@ def clip_fraction(out: PolicyLossOutput | ValueLossOutput, loss_mask: Tensor) ->
     """Fraction of valid tokens whose clip was active (0-dim float tensor; 0 if none).
 
     A rising clip fraction means the policy is moving far from the sampler within a step;
-    the "Echo Trap" monitors watch it (ALGORITHMS.md, "Monitors"). Works for the value
+    the "Echo Trap" monitors watch it (docs/algorithms.md, "Monitors"). Works for the value
     loss's clip too.
     """
     return masked_mean(out.clipped.to(out.per_token_loss.dtype), loss_mask)
@@ -230,7 +230,7 @@ def clipped_value_loss(
     *,
     clip_range: float | None,
 ) -> ValueLossOutput:
-    """PPO's clipped value loss per token, ``[B, T]`` inputs (ALGORITHMS.md, "Value loss").
+    """PPO's clipped value loss per token, ``[B, T]`` inputs (docs/algorithms.md, "Value loss").
 
         loss = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
 
@@ -277,7 +277,7 @@ def entropy_from_logits(logits: Tensor, loss_mask: Tensor | None = None) -> Tens
     (a vocabulary mask) contribute exactly 0, not NaN, to the value and the gradient. With a
     ``loss_mask`` of shape ``logits.shape[:-1]``, masked positions give exactly 0 with 0
     gradient whatever their logits hold, so the entropy bonus covers sampled tokens only
-    (ALGORITHMS.md, "Entropy bonus"); reduce it like a loss (e.g. ``token_mean``) and
+    (docs/algorithms.md, "Entropy bonus"); reduce it like a loss (e.g. ``token_mean``) and
     subtract coef * that from the loss. Divide the logits by the sampling temperature first
     if the entropy should be that of the sampler.
     """

@@ -3,7 +3,7 @@
 The sampler (e.g. vLLM) and the learner compute different probabilities for the same tokens
 (kernels, precision, a policy version or more of lag). PPO's ratio is taken against the
 learner's ``old_logprobs``; these functions correct for the tokens having been drawn from
-the sampler, with per-token probabilities ``sampler_logprobs`` (ALGORITHMS.md, "Off-policy
+the sampler, with per-token probabilities ``sampler_logprobs`` (docs/algorithms.md, "Off-policy
 correction"). rho = pi_learner_old / pi_sampler throughout.
 
 - ``token_tis_weights``: truncated importance sampling per token, min(rho_t, C);
@@ -102,7 +102,7 @@ def token_tis_weights(
     """Token-level truncated importance sampling, ``[B, T]`` -> weights ``[B, T]``.
 
     w_t = min(rho_t, C), rho_t = exp(old_logprobs - sampler_logprobs), C = ``cap`` (2 by
-    default, ALGORITHMS.md; ``None`` = no truncation). Only the upper side is truncated: a
+    default, docs/algorithms.md; ``None`` = no truncation). Only the upper side is truncated: a
     token the sampler over-weighted (rho < 1) keeps its small weight (Yao et al. 2025, "Your
     efficient RL framework secretly brings you off-policy RL training"). Masked positions
     get 1. Metrics: ``tis_ratio_mean/max/min`` of rho over sampled tokens,
@@ -176,7 +176,7 @@ def sequence_ratio_mask(
 ) -> SequenceMask:
     """Sequence masking: keep a sequence only if prod_t rho_t <= ``max_ratio`` (``[B]``).
 
-    ALGORITHMS.md: drop sequences with rho > C instead of down-weighting them, so a badly
+    docs/algorithms.md: drop sequences with rho > C instead of down-weighting them, so a badly
     mismatched sequence contributes nothing rather than a truncated, biased gradient. ``min_ratio`` (default none) also drops sequences with rho < min_ratio.
     Sequences without sampled tokens are kept (they contribute nothing anyway). Metrics:
     ``seq_mask_masked_fraction`` over sequences with sampled tokens, ``mismatch_kl_k1/k3``.
@@ -233,7 +233,7 @@ def decoupled_policy_loss(
 def policy_lag_metrics(sampler_versions: Tensor, learner_version: int) -> dict[str, Tensor]:
     """How many policy versions behind the learner each trajectory was sampled, ``[B]``.
 
-    Every trajectory carries the version of the policy that sampled it (ALGORITHMS.md);
+    Every trajectory carries the version of the policy that sampled it (docs/algorithms.md);
     ``lag = learner_version - sampler_version``. Returns ``policy_lag_mean`` and
     ``policy_lag_max`` (0 for an empty batch). A negative lag means versions were mixed up
     and raises.

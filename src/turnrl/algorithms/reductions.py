@@ -1,4 +1,4 @@
-"""Masked reductions: how per-token values become one loss (ALGORITHMS.md, "Loss aggregation").
+"""Masked reductions: how per-token values become one loss (docs/algorithms.md, "Loss reductions").
 
 The choice of reduction is the usual source of "same algorithm, different result", so each
 mode is its own named function over ``[B, T]`` per-token values and a ``loss_mask``:
@@ -90,8 +90,8 @@ def token_mean(
     weighs the same, however long its sequence. ``num_tokens`` defaults to this batch's
     valid-token count. Under gradient accumulation pass the GLOBAL count (valid tokens over
     all micro-batches of the step): summing the micro-batch losses then gives exactly the
-    one-batch gradient, where per-micro-batch means would not (ALGORITHMS.md, "Loss
-    aggregation"). A count of 0 gives a loss of 0 whose gradient is defined (all zeros).
+    one-batch gradient, where per-micro-batch means would not (docs/algorithms.md, "Loss
+    reductions"). A count of 0 gives a loss of 0 whose gradient is defined (all zeros).
     """
     mask = _bool_mask(loss_mask, per_token_loss)
     total = masked_sum(per_token_loss, mask)
@@ -165,7 +165,7 @@ def seq_mean_token_sum_norm(
 
     Dr. GRPO (Liu et al. 2025, arXiv:2503.20783, Sec. 3.2) replaces the per-sequence
     1/|o_i| by a constant, such as the maximum generation length, which removes the length
-    bias without making the loss depend on the batch's token count. ALGORITHMS.md defines
+    bias without making the loss depend on the batch's token count. docs/algorithms.md defines
     it as sum_{i,t} m l / L (no division by the number of sequences). L must be the same
     constant for every micro-batch (not the micro-batch's padded width); then accumulation
     is exact trivially.

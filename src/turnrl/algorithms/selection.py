@@ -1,4 +1,5 @@
-"""Sample selection and length shaping as pure functions (ALGORITHMS.md, "Sample selection").
+"""Sample selection and length shaping as pure functions (docs/algorithms.md, "Sample
+selection and shaping").
 
 Each function answers one question about a batch (which groups to keep, how much to
 penalise a length, which tokens still count); acting on the answer (resampling, dropping

@@ -9,7 +9,7 @@ format and returned as OpenAI ``tool_calls``) and waits for the agent's next req
 new messages (tool results, user turns) are the observation; when the agent returns, its
 answer is scored by your ``reward(task, answer, transcript)`` and the episode ends.
 
-Token-exactness (DESIGN.md invariant 1). The policy's turns are kept as the ids it sampled.
+Token-exactness (docs/design.md, invariant 1). The policy's turns are kept as the ids it sampled.
 When a request extends the conversation the endpoint answered (the previous request's
 messages, the reply, then new messages), only the new messages are rendered, after the
 sampled ids: the usual case, one training sample. When the agent rewrote its history

@@ -4,7 +4,7 @@ Each model turn is parsed by the format. Tool calls run and their results come b
 the observation; a turn the format cannot parse comes back as a precise error observation
 (the model reads it and may fix its call); a turn with no call is the final answer, which
 the verifier scores, ending the episode. A tool that raises, times out or does not exist
-is an observation too (DESIGN.md invariant 4).
+is an observation too (docs/design.md, invariant 4).
 
 ``toolset_from`` turns the tool shapes users already have (a ``ToolSet``, a list of typed
 functions or ``Tool``s, OpenAI ``(schema, fn)`` pairs) into a ``ToolSet``; ``ToolEnv``

@@ -2,7 +2,8 @@
 match (ToolRL's R_correct), each component logged.
 
 ToolRL (Qian et al., 2025, arXiv:2504.13958) scores a turn's predicted calls against the
-gold calls; ALGORITHMS.md gives the rule ``toolrl_correctness`` implements:
+gold calls; docs/algorithms.md ("Rewards for tool use") gives the rule that
+``toolrl_correctness`` implements:
 
     parse error -> -3; identical to the gold call list -> +3; otherwise
     score = Jaccard(names) + sum over gold calls g of the best same-name prediction's

@@ -1,6 +1,6 @@
 """One episode: the model and an environment take turns until the episode ends.
 
-``run_episode`` is the whole multi-turn loop, token-exact (DESIGN.md invariants 1, 2, 4):
+``run_episode`` is the whole multi-turn loop, token-exact (docs/design.md, invariants 1, 2, 4):
 the context is the first rendered prompt followed by each completion's sampled ids and the
 template's tokens for each observation, never re-tokenized; every limit that ends an
 episode is recorded as its ``stop_reason``; an exception from the environment or the

@@ -1,4 +1,4 @@
-"""Episodes that raised: a bug, not data (DESIGN.md invariant 4's other half).
+"""Episodes that raised: a bug, not data (docs/design.md, invariant 4's other half).
 
 The model's mistakes (a malformed call, bad arguments, an unknown tool, a tool's error)
 are observations the model reads. An exception raised by the environment, a tool factory,

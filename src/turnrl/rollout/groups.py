@@ -152,7 +152,7 @@ async def collect_groups(
 
 
 def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
-    """The ``rollout/*`` metrics of DESIGN.md for one batch of groups."""
+    """The ``rollout/*`` metrics (docs/design.md, "Metric names") for one batch of groups."""
     trajs = [t for g in groups for t in g]
     n = max(1, len(trajs))
     calls = [c for t in trajs for c in t.tool_calls]
@@ -176,7 +176,7 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
 
 def _component_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """``rollout/reward/<name>``: each reward component's mean over the episodes that
-    report it (every component logged separately, DESIGN.md)."""
+    report it (every component logged separately: docs/algorithms.md, "Rewards for tool use")."""
     values: dict[str, list[float]] = {}
     for t in trajs:
         for name, value in t.reward_components.items():

@@ -37,7 +37,7 @@ The rlimits (address space, CPU seconds, file size, processes, open files, no co
 set by a few lines of Python run by the sandboxed interpreter itself before it executes the
 program: no ``preexec_fn``, which is unsafe in a threaded process. A launcher, run first,
 moves itself into the slot's control group, hands bubblewrap the syscall filter and drops
-root for the slot's uid. See ../shared/OFFLINE.md.
+root for the slot's uid.
 """
 
 from __future__ import annotations

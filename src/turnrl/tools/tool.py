@@ -1,6 +1,6 @@
 """Typed Python functions as tools: JSON schema from the signature, safe invocation.
 
-A tool call never raises into the rollout (invariant 4 of DESIGN.md): invalid arguments,
+A tool call never raises into the rollout (docs/design.md, invariant 4): invalid arguments,
 exceptions, timeouts and unknown tools all become a ``ToolResult`` with ``ok=False`` whose
 ``content`` the model reads. Only cancellation propagates. Parsing calls out of model text
 lives in ``turnrl.formats``, not here.

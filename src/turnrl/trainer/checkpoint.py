@@ -1,4 +1,4 @@
-"""Resumable checkpoints, written atomically (DESIGN.md invariant 7).
+"""Resumable checkpoints, written atomically (docs/design.md, invariant 7).
 
 The policy RL starts from is kept in ``start_model`` (the KL reference, loaded again on
 resume; with LoRA, the base the adapters sit on). A checkpoint is a directory

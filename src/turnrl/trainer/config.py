@@ -169,7 +169,7 @@ class RolloutConfig:
     ``startup_tolerance`` is bf16's and ``algorithm.off_policy`` ``auto`` is ``token_tis``.
     ``auto``: ``bf16`` under ``model.precision = bf16-mixed``, else ``shared``; ``bf16``
     with ``float32`` gives a float32 learner and a bf16 sampler (on the tiny probe the
-    learner's bf16 stalled learning and the sampler's did not: README, "The GPU path").
+    learner's bf16 stalled learning and the sampler's did not: docs/gpu.md).
     vLLM always holds its own copy (bfloat16 under bf16-mixed) and ignores this setting."""
     startup_tolerance: float = 0.0
     """Before step 1, the sampler's log-probs of a probe batch are compared with the
@@ -348,7 +348,7 @@ class GAEConfig:
     """Lambda (1: the return minus the value; PPO's classic choice is 0.95)."""
     level: Literal["token", "turn"] = "token"
     """GAE over sampled tokens, or turn-level (bi-level, RAGEN) GAE: first over turns with
-    ``turn_gamma``, then over the tokens inside each turn (ALGORITHMS.md)."""
+    ``turn_gamma``, then over the tokens inside each turn (docs/algorithms.md)."""
     turn_gamma: float = 0.95
     """Turn-level GAE: the discount between turns."""
     whiten: bool = True
@@ -411,7 +411,7 @@ class MicroBatchConfig:
 class AlgorithmConfig:
     """The policy update: advantages, a clipped policy loss, a reduction, an optional KL.
 
-    Each choice is made by name here, once (ALGORITHMS.md defines them all); the knobs of
+    Each choice is made by name here, once (docs/algorithms.md defines them all); the knobs of
     one estimator or mechanism live in its own section (``algorithm.kl.coef``).
     """
 

@@ -100,7 +100,7 @@ def reinforce_pp_sample_advantages(
     kl: Mapping[int, list[list[float]]] | None = None,
     kl_coef: float = 0.0,
 ) -> list[list[SampleValues]]:
-    """REINFORCE++ advantage of every sampled token (ALGORITHMS.md), per sample:
+    """REINFORCE++ advantage of every sampled token (docs/algorithms.md), per sample:
     ``reinforce_pp_advantages`` (or, with ``baseline``, ``reinforce_pp_baseline_advantages``)
     on the batch laid out as one row per member, its samples' tokens back to back.
 
@@ -185,7 +185,7 @@ def gigpo_turn_advantages(
     shuffle_seed: int | None = None,
 ) -> list[list[list[float]]]:
     """GiGPO advantage of every turn of every trajectory, ``[group][member][turn]``:
-    ``gigpo_advantages`` (A_episode + omega * A_step, ALGORITHMS.md "GiGPO") on each
+    ``gigpo_advantages`` (A_episode + omega * A_step, docs/algorithms.md "GiGPO") on each
     group's members without an error, one row per member and one column per turn.
 
     All groups must have the same size G (the rollout's group size). The reward is given at

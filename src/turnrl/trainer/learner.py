@@ -3,7 +3,7 @@
 Micro-batches accumulate gradients; the loss of each is normalised by the token count of
 the *whole* batch, so accumulation gives the same gradient as one big batch. On the first
 pass after fresh rollouts the recomputed log-probs must equal the sampler's: their gap is
-logged every step as ``train/logprob_mismatch`` (DESIGN.md invariant 3).
+logged every step as ``train/logprob_mismatch`` (docs/design.md, invariant 3).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Learner:
         )
         self.critic = self.make_critic(model, config) if config.advantage == "gae" else None
         self.token_budget = config.micro_batch.tokens or auto_token_budget(model)
-        # Each choice resolved once, here (DESIGN.md invariant 5).
+        # Each choice resolved once, here (docs/design.md, invariant 5).
         self.reduction = REDUCTIONS[config.loss_reduction]
         self.policy_loss = POLICY_LOSSES[config.policy_loss]
         self.correction = CORRECTIONS[config.off_policy.correction]  # "auto": none here
@@ -518,7 +518,7 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Norms, float], torch
     "seq_mean_token_sum": lambda x, mask, norms, _: seq_mean_token_sum(x, mask, norms[1]),
     "seq_mean_token_sum_norm": lambda x, mask, _, length: seq_mean_token_sum_norm(x, mask, length),
 }
-"""``algorithm.loss_reduction``: per-token values to the batch's loss (ALGORITHMS.md)."""
+"""``algorithm.loss_reduction``: per-token values to the batch's loss (docs/algorithms.md)."""
 
 PolicyLoss = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Batch, AlgorithmConfig],
@@ -560,7 +560,7 @@ def _decoupled_ppo(
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": _ppo, "gspo": _gspo}
-"""``algorithm.policy_loss``: the per-token surrogate (ALGORITHMS.md)."""
+"""``algorithm.policy_loss``: the per-token surrogate (docs/algorithms.md)."""
 
 Correction = Callable[
     [PolicyLossOutput, torch.Tensor, Batch, AlgorithmConfig],
@@ -608,4 +608,4 @@ CORRECTIONS: dict[str, Correction] = {
     "sequence_tis": _sequence_tis,
     "sequence_mask": _sequence_mask,
 }
-"""``algorithm.off_policy``: how the sampler/learner gap is corrected (ALGORITHMS.md)."""
+"""``algorithm.off_policy``: how the sampler/learner gap is corrected (docs/algorithms.md)."""

@@ -4,7 +4,8 @@
 demonstrations (``_start``), evaluate, then run ``step.train_step`` (collect, rewards,
 select, advantages, update, sync) once per step and write its metrics row, which the
 collapse monitors check (monitors.py; alarms go to alarms.jsonl and may stop the run).
-Everything a run produces goes into its run directory (DESIGN.md "The main job").
+Everything a run produces goes into its run directory (docs/getting-started.md, "What a
+run writes").
 """
 
 from __future__ import annotations

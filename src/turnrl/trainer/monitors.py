@@ -1,7 +1,7 @@
 """Monitors: early warnings of a failing run, computed every step from its metrics rows.
 
-Each ``Rule`` watches one metric of DESIGN.md and compares its recent level with a
-reference level; when the comparison crosses a threshold, the rule raises an ``Alarm``
+Each ``Rule`` watches one metric (docs/design.md, "Metric names") and compares its recent
+level with a reference level; when the comparison crosses a threshold, the rule raises an ``Alarm``
 naming the metric, the step, the numbers and what users usually do about it. The training
 loop (loop.py) prints each alarm once, marks it in the metrics row as ``alarm/<name>`` = 1.0,
 appends it to ``alarms.jsonl`` and, with ``monitor.action = "stop"``, ends the run. This

@@ -1,9 +1,9 @@
 """A run's per-step records beyond metrics.jsonl, and how a resume trims all of them.
 
 metrics.jsonl stays the source of truth (the report and the monitors read it); the sinks
-mirror every numeric value of every row, keyed by its DESIGN.md metric name, at the row's
-step, so users can watch a run in the tools they already have: TensorBoard event files
-(one event per row, holding its scalars) and, optionally, W&B.
+mirror every numeric value of every row, keyed by its metric name (docs/design.md, "Metric
+names"), at the row's step, so users can watch a run in the tools they already have:
+TensorBoard event files (one event per row, holding its scalars) and, optionally, W&B.
 
 The event files are written here, synchronously, rather than by tensorboardX's
 ``SummaryWriter``: that one hands events to a background thread, so a run killed just
