@@ -27,7 +27,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm setup-trl checks demo test suite typecheck-beside learning-lane vllm-learning-lane other-cpu-lane lint typecheck unit learning-proof lock test-latest clean
+.PHONY: setup setup-test setup-vllm setup-trl checks demo test suite typecheck-beside learning-lane vllm-learning-lane other-cpu-lane lint typecheck unit learning-proof lock test-latest clean docs
 
 # pip byte-compiles what it installs (2.2 minutes of CPU for the two virtualenvs). Keep it:
 # where PYTHONDONTWRITEBYTECODE=1 is set, as on these machines, Python never writes what it
@@ -190,3 +190,9 @@ test-latest: setup-test
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The documentation site (mkdocs.yml), from docs/ into build/site. --strict: a warning (a
+# broken link or anchor, a page left out of the nav, an API name that does not resolve)
+# fails the build. tests/test_docs.py builds it the same way in `make test`.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
