@@ -23,8 +23,15 @@ What the endpoint does not take from a request, on purpose: ``temperature``, ``t
 completions sampled as the learner scores them; ``tool_choice`` is not enforced (the
 policy decides whether to call, which is what RL trains). ``stop`` strings are honoured.
 
-Failures are data: an agent that raises, never calls the endpoint, or hangs past
-``rollout.episode_timeout_s`` ends its episode with ``error`` set and its traceback kept.
+The model's mistakes are data. Frameworks report some of the model's mistakes by raising
+(the Agents SDK's ``ModelBehaviorError`` for a call to a tool that does not exist, LangChain's
+``OutputParserException``, ...). Such an exception, one of ``model_errors`` (``MODEL_ERRORS``
+and the environment's own), ends the episode as a failure the policy is trained on: rewarded
+by ``model_error_reward`` (0 by default), ``info["model_error"]`` naming it, counted in
+``rollout/agent_model_errors``. Any other exception is a bug: an agent that raises, never
+calls the endpoint, or hangs past ``rollout.episode_timeout_s`` ends its episode with
+``error`` set and its traceback kept (and the run stops, unless ``rollout.max_error_frac``
+allows it); when the exception comes from a framework, its message names ``model_errors``.
 """
 
 from __future__ import annotations
@@ -58,6 +65,36 @@ Reward = Callable[[Any, Any, list[dict[str, Any]]], Any]
 """``(task, answer, transcript) -> float | bool | Verdict`` (sync or async): the agent's
 task, its return value and the conversation as OpenAI messages, the last reply included."""
 
+ModelErrors = Sequence[type[BaseException] | str]
+"""Exception classes, or their qualified names (``"package.module.ClassName"``, matched
+against every class the exception is an instance of, so the package need not be installed)."""
+
+MODEL_ERRORS: tuple[str, ...] = (
+    # OpenAI Agents SDK: a call to a tool the agent does not have, malformed arguments, ...
+    "agents.exceptions.ModelBehaviorError",
+    "agents.exceptions.MaxTurnsExceeded",  # the model never answered within max_turns
+    # LangChain: the model's text does not parse as the output the chain asked for
+    "langchain_core.exceptions.OutputParserException",
+    "langgraph.errors.GraphRecursionError",  # the graph looped past its recursion_limit
+    # PydanticAI: an unknown tool, output that fails validation after the retries
+    "pydantic_ai.exceptions.UnexpectedModelBehavior",
+    # smolagents' AgentError family, less AgentGenerationError (the model call itself
+    # failed: the endpoint, not the model); AgentToolCallError and AgentToolExecutionError
+    # are AgentExecutionErrors
+    "smolagents.utils.AgentParsingError",
+    "smolagents.utils.AgentExecutionError",
+    "smolagents.utils.AgentMaxStepsError",
+)
+"""The exceptions that agent frameworks raise for the model's own mistakes: an episode of
+``AgentEnvironment`` that ends on one is a failed episode, trained on, not a bug."""
+
+FRAMEWORKS = (
+    "agents", "autogen_agentchat", "crewai", "dspy", "langchain", "langchain_core",
+    "langgraph", "llama_index", "pydantic_ai", "smolagents",
+)  # fmt: skip
+"""Top-level packages of agent frameworks: a bug raised from one of them says how to count
+it as the model's mistake instead (``model_errors``)."""
+
 
 class AgentEnv:
     """One episode of ``agent`` on a task, its model calls answered by the policy.
@@ -74,9 +111,13 @@ class AgentEnv:
         *,
         pool: AgentPool | None = None,
         grace_s: float = 5.0,
+        model_errors: ModelErrors = MODEL_ERRORS,
+        model_error_reward: Reward | None = None,
     ) -> None:
         self.agent = agent
         self.reward = reward
+        self.model_errors = tuple(model_errors)
+        self.model_error_reward = model_error_reward
         self.endpoint = endpoint
         self.format = format
         self.pool = pool or AgentPool(endpoint)
@@ -211,25 +252,33 @@ class AgentEnv:
             raise RuntimeError(f"the agent was cancelled {when}")
         exc = self._agent.exception()
         if exc is not None:
+            if _looks_like_a_framework_error(exc):
+                _add_note(
+                    exc,
+                    f"if {_class_names(exc)[0]} is the model's mistake rather than a bug, "
+                    "list it in AgentEnvironment(model_errors=...): such an episode is then "
+                    "a failed episode the policy learns from",
+                )
             raise exc  # the agent's own traceback is the story
 
     async def _finish(self) -> StepResult:
-        self._raise_agent_failure("while the episode ran")
         assert self._agent is not None
         assert self.task is not None
-        answer = self._agent.result()
+        error = None if self._agent.cancelled() else self._agent.exception()
+        kind = None if error is None else model_error_type(error, self.model_errors)
+        if self._agent.cancelled() or (error is not None and kind is None):
+            self._raise_agent_failure("while the episode ran")
         given = self.task.metadata.get(AGENT_TASK, self.task)
-        verdict = self.reward(given, answer, list(self._transcript))
-        if inspect.isawaitable(verdict):
-            verdict = await verdict
-        if isinstance(verdict, (bool, int, float)):
-            verdict = Verdict(float(verdict), success=float(verdict) >= 1.0)
-        if not isinstance(verdict, Verdict):
-            raise TypeError(
-                f"the reward function returned {type(verdict).__name__}; return a number or "
-                "a turnrl.Verdict"
-            )
-        info = {"success": verdict.success, "reward_components": verdict.components}
+        if error is None:
+            verdict = await _score(self.reward, given, self._agent.result(), self._transcript)
+        elif self.model_error_reward is not None:
+            verdict = await _score(self.model_error_reward, given, error, self._transcript)
+            verdict = Verdict(verdict.reward, success=False, components=verdict.components)
+        else:
+            verdict = Verdict(0.0, success=False)
+        info: dict[str, Any] = {"success": verdict.success, "reward_components": verdict.components}
+        if error is not None:
+            info["model_error"] = {"type": kind, "message": _message(error)}
         return StepResult(reward=verdict.reward, terminated=True, info=info)
 
     # -- requests and replies --------------------------------------------------------------
@@ -453,16 +502,34 @@ class AgentEnvironment(Environment):
         corpus_text: Sequence[str] = (),
         max_concurrent: int = 256,
         max_threads: int = 256,
+        model_errors: ModelErrors = (),
+        model_error_reward: Reward | None = None,
     ) -> None:
         agent_kind(agent)  # a wrong signature fails here, before any episode
         if not callable(reward):
             raise TypeError(f"reward must be a function (task, answer, transcript), got {reward!r}")
+        if model_error_reward is not None and not callable(model_error_reward):
+            raise TypeError(
+                "model_error_reward must be a function (task, exception, transcript), got "
+                f"{model_error_reward!r}"
+            )
+        if isinstance(model_errors, (str, type)):
+            model_errors = (model_errors,)
+        for e in model_errors:
+            if not (isinstance(e, str) or (isinstance(e, type) and issubclass(e, BaseException))):
+                raise TypeError(
+                    f"model_errors holds exception classes or qualified names, got {e!r}"
+                )
+        errors = (*MODEL_ERRORS, *model_errors)
         fmt = get_format(format) if isinstance(format, str) else format
         served = endpoint or PolicyEndpoint()
         pool = AgentPool(served, max_concurrent=max_concurrent, max_threads=max_threads)
 
         def make() -> AgentEnv:
-            return AgentEnv(agent, reward, served, fmt, pool=pool)
+            return AgentEnv(
+                agent, reward, served, fmt, pool=pool, model_errors=errors,
+                model_error_reward=model_error_reward,
+            )  # fmt: skip
 
         super().__init__(
             tasks=as_tasks(tasks, "train"),
@@ -522,6 +589,68 @@ def agent_kind(agent: Any) -> str:
             f"{inspect.signature(agent) if params else ''}"
         )
     return "async_client" if _is_async(agent) else "sync_client"
+
+
+def model_error_type(exc: BaseException, errors: ModelErrors) -> str | None:
+    """The class name of ``exc`` when it is one of ``errors`` (a class it is an instance of,
+    or the qualified name of one); else None. An agent's exception raised in a worker
+    process (``AgentProcessError``) is matched by the names of the classes it had there."""
+    names = _class_names(exc)
+    for e in errors:
+        if isinstance(e, str) and e in names:
+            return names[0].rsplit(".", 1)[-1]
+        if isinstance(e, type) and isinstance(exc, e):
+            return type(exc).__name__
+    return None
+
+
+def _class_names(exc: BaseException) -> tuple[str, ...]:
+    """``module.QualName`` of every class ``exc`` is an instance of, most derived first
+    (for an exception from a worker process, the classes of the original there)."""
+    remote = getattr(exc, "remote_types", None)
+    if remote:
+        return tuple(remote)
+    return tuple(f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__)
+
+
+def _message(exc: BaseException) -> str:
+    """``str(exc)``; for an exception from a worker process (its whole traceback), the
+    traceback's last line, which is the original's ``Type: message``."""
+    text = str(exc)
+    if getattr(exc, "remote_types", None):
+        lines = [line for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else text
+    return text
+
+
+def _looks_like_a_framework_error(exc: BaseException) -> bool:
+    return _class_names(exc)[0].split(".", 1)[0] in FRAMEWORKS
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11), by hand on 3.10: the traceback and the
+    episode's ``error`` show it."""
+    notes = list(getattr(exc, "__notes__", ()))
+    if note not in notes:
+        exc.__notes__ = [*notes, note]  # type: ignore[attr-defined]
+
+
+async def _score(
+    reward: Reward, task: Any, answer: Any, transcript: list[dict[str, Any]]
+) -> Verdict:
+    """``reward``'s verdict (awaited when async; a number ``r`` is ``Verdict(r)``, a success
+    when ``r >= 1``)."""
+    verdict = reward(task, answer, list(transcript))
+    if inspect.isawaitable(verdict):
+        verdict = await verdict
+    if isinstance(verdict, (bool, int, float)):
+        verdict = Verdict(float(verdict), success=float(verdict) >= 1.0)
+    if not isinstance(verdict, Verdict):
+        raise TypeError(
+            f"the reward function returned {type(verdict).__name__}; return a number or "
+            "a turnrl.Verdict"
+        )
+    return verdict
 
 
 def _is_async(fn: Any) -> bool:

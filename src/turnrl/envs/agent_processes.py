@@ -18,7 +18,8 @@ function defined at the top level of an importable module (or of a script run as
 the agent's module afresh, never a copy of the training process).
 
 Failures stay the episode's: an agent that raises fails its episode with the worker's
-traceback; a worker that dies fails the episodes it was running, naming it and its exit
+traceback (or, when the exception is one of the environment's ``model_errors``, recognised
+by the names of its classes, ends it as the model's failure); a worker that dies fails the episodes it was running, naming it and its exit
 code, and is started again for the next ones; an episode past its deadline is cancelled in
 the worker too.
 """
@@ -44,7 +45,17 @@ START_TIMEOUT_S = 120.0
 
 
 class AgentProcessError(TurnrlError):
-    """An agent in a worker process raised, or its worker died."""
+    """An agent in a worker process raised, or its worker died.
+
+    ``remote_types``: the qualified names of the classes of the exception the agent raised
+    there, most derived first (empty when the worker died), so that a framework's exception
+    for the model's mistake is recognised as one (``turnrl.envs.agent.model_error_type``)
+    without the exception itself having to pickle.
+    """
+
+    def __init__(self, message: str, remote_types: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.remote_types = remote_types
 
 
 class AgentProcesses:
@@ -204,6 +215,8 @@ class _Worker:
                 return
             if kind == "ok":
                 future.set_result(value)
+            elif isinstance(value, tuple):  # the agent raised: (traceback, its classes)
+                future.set_exception(AgentProcessError(*value))
             else:
                 future.set_exception(AgentProcessError(value))
 
@@ -276,8 +289,9 @@ async def _worker_main(agent: Callable[..., Any], conn: Connection, parent: int)
                 answer = await asyncio.to_thread(agent, task, view)
         except asyncio.CancelledError:
             return
-        except BaseException:
-            send(("error", call_id, traceback.format_exc()))
+        except BaseException as exc:
+            classes = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__)
+            send(("error", call_id, (traceback.format_exc(), classes)))
         else:
             try:
                 send(("ok", call_id, answer))

@@ -96,7 +96,8 @@ async def run_episode(
         )
         _end(traj, "error", truncated=False)
     except Exception as exc:  # a bad rollout is data: record it, never crash the batch
-        traj.error = f"{type(exc).__name__}: {exc}"
+        notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
+        traj.error = f"{type(exc).__name__}: {exc}{notes}"
         traj.info["traceback"] = traceback.format_exc(limit=-12)  # the innermost frames: the bug
         _end(traj, "error", truncated=False)
     finally:
@@ -228,6 +229,8 @@ def _absorb_info(traj: Trajectory, info: object) -> None:
         return
     if "success" in info:
         traj.success = bool(info["success"])
+    if "model_error" in info:  # an agent framework raised for the model's own mistake
+        traj.info["model_error"] = info["model_error"]
     components = info.get("reward_components")
     if isinstance(components, dict):
         for key, value in components.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -169,8 +170,22 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         "rollout/template_breaks": float(sum(t.template_breaks for t in trajs)),
         "rollout/context_rewrites": float(sum(t.context_rewrites for t in trajs)),
         "rollout/errors": float(sum(t.error is not None for t in trajs)),
+        **_model_error_counts(trajs),
         "rollout/completion_tokens_mean": sum(t.num_completion_tokens for t in trajs) / n,
         **_component_means(trajs),
+    }
+
+
+def _model_error_counts(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``rollout/agent_model_errors``: episodes an agent framework ended by raising for the
+    model's mistake (failed episodes, trained on: ``turnrl.envs.agent``), and the count of
+    each exception type, ``rollout/agent_model_errors/<type>``."""
+    kinds = Counter(
+        str(t.info["model_error"].get("type")) for t in trajs if "model_error" in t.info
+    )
+    return {
+        "rollout/agent_model_errors": float(sum(kinds.values())),
+        **{f"rollout/agent_model_errors/{k}": float(n) for k, n in sorted(kinds.items())},
     }
 
 
