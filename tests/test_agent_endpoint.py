@@ -416,11 +416,11 @@ def test_http_errors_are_openai_shaped(tokenizer: Any) -> None:
         assert "messages" in r.json()["error"]["message"]
         r = httpx.post(
             f"{base}/v1/chat/completions",
-            json={"messages": [{"role": "user"}], "stream": True},
+            json={"messages": [{"role": "user"}], "n": 2},
             headers=auth,
         )
         assert r.status_code == 400
-        assert "stream" in r.json()["error"]["message"]
+        assert "n must be 1" in r.json()["error"]["message"]
         r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user"}]})
         assert r.status_code == 401
         r = httpx.get(f"{base}/v1/models", headers=auth)

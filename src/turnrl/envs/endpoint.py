@@ -8,12 +8,18 @@ answers it with the policy's completion, sampled in the same continuous batch as
 other episode. ``POST /v1/chat/completions`` with the header ``X-Turnrl-Episode: <id>``
 routes the same way.
 
+``POST .../responses`` (the Responses API) is served as the chat completion it stands for
+(``turnrl.envs.openai_api``), so both APIs reach the episode in the same form; the episode
+keeps its responses, so a request may continue one by ``previous_response_id``. Either
+API streams with ``stream: true``: the same completion, as server-sent events.
+
 The server runs in its own thread with its own event loop, so it answers between training
 steps too: a request for an episode that is over gets a 404 at once, never a hang. The
 episodes live in the rollout's event loop; calls and replies cross over thread-safely.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "code"}}``): 400 for a request
-the endpoint cannot serve (streaming, ``n > 1``, malformed messages), 401 for a wrong API
+the endpoint cannot serve (``n > 1``, malformed messages, a ``previous_response_id`` that
+is not one of the episode's responses), 401 for a wrong API
 key, 404 for an unknown or finished episode, 409 for a second call while one is in flight
 in the same episode or a call the episode ended under, 504 when no reply came in time.
 """
@@ -28,6 +34,17 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from turnrl.envs.openai_api import (
+    RequestError,
+    chat_chunks,
+    chat_request,
+    check_responses_request,
+    conversation,
+    response_events,
+    response_object,
+    server_sent_events,
+)
 
 MAX_BODY = 16 << 20
 """Largest request body accepted, in bytes."""
@@ -70,6 +87,10 @@ class EpisodeInbox:
         self.calls: asyncio.Queue[AgentCall] = asyncio.Queue()
         self.busy = False
         self.closed: str | None = None
+        self.responses: dict[str, list[dict[str, Any]]] = {}
+        """Each Responses-API response of the episode: the conversation it ended (chat
+        messages, its output last), for a request naming it as ``previous_response_id``.
+        Written and read by the server's thread only."""
 
     def deliver(self, call: AgentCall) -> None:
         """Take ``call`` (runs in the episode's loop, scheduled by the server thread)."""
@@ -161,6 +182,8 @@ class PolicyEndpoint:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/episodes/{episode}/v1/responses", self._responses)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
 
@@ -235,41 +258,82 @@ class PolicyEndpoint:
     async def _chat(self, request: Any) -> Any:
         if (denied := self._denied(request)) is not None:
             return denied
-        episode_id = request.match_info.get("episode") or request.headers.get("X-Turnrl-Episode")
         try:
-            body = await request.json()
+            body = await _json(request)
             check_request(body)
-            if not episode_id:
-                raise EndpointError(
-                    404,
-                    "no episode in the request: use the base URL turnrl gave the agent "
-                    "(.../episodes/<id>/v1) or the header X-Turnrl-Episode",
-                )
-            with self._lock:
-                inbox = self._episodes.get(episode_id)
-            if inbox is None:
-                raise EndpointError(
-                    404, f"no episode {episode_id!r} is open (it is over, or was never started)"
-                )
-            call = AgentCall(body)
-            inbox.loop.call_soon_threadsafe(inbox.deliver, call)
-            try:
-                response = await asyncio.wait_for(
-                    asyncio.wrap_future(call.reply), self.reply_timeout_s
-                )
-            except asyncio.TimeoutError:
-                raise EndpointError(
-                    504, f"the policy did not answer within {self.reply_timeout_s:g} s"
-                ) from None
+            inbox = self._inbox(request)
+            completion = await self._ask(inbox, body)
         except EndpointError as exc:
             return _error(exc.status, exc.message)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"the request body is not JSON: {exc}")
-        except RuntimeError as exc:  # the episode's loop is gone (the run stopped)
-            return _error(409, f"episode {episode_id} is over: {exc}")
-        from aiohttp import web
+        if not body.get("stream"):
+            return _json_response(completion)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunks = chat_chunks(completion, include_usage=usage)
+        return await _stream(request, server_sent_events(chunks, named=False, done=True))
 
-        return web.json_response(response)
+    async def _responses(self, request: Any) -> Any:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            body = await _json(request)
+            try:
+                check_responses_request(body)
+            except RequestError as exc:
+                raise EndpointError(400, str(exc)) from None
+            inbox = self._inbox(request)
+            earlier: list[dict[str, Any]] = []
+            if body.get("previous_response_id") is not None:
+                found = inbox.responses.get(body["previous_response_id"])
+                if found is None:
+                    raise EndpointError(
+                        400,
+                        f"previous_response_id {body['previous_response_id']!r} is not a "
+                        f"response of episode {inbox.id} (responses live as long as their "
+                        "episode)",
+                    )
+                earlier = found
+            messages = conversation(body, earlier)
+            chat = chat_request(body, messages)
+            check_request(chat)
+            completion = await self._ask(inbox, chat)
+        except EndpointError as exc:
+            return _error(exc.status, exc.message)
+        response = response_object(completion, body)
+        inbox.responses[response["id"]] = [*messages, completion["choices"][0]["message"]]
+        if not body.get("stream"):
+            return _json_response(response)
+        events = response_events(response)
+        return await _stream(request, server_sent_events(events, named=True, done=False))
+
+    def _inbox(self, request: Any) -> EpisodeInbox:
+        """The open episode a request names (in its path, or its X-Turnrl-Episode header)."""
+        episode_id = request.match_info.get("episode") or request.headers.get("X-Turnrl-Episode")
+        if not episode_id:
+            raise EndpointError(
+                404,
+                "no episode in the request: use the base URL turnrl gave the agent "
+                "(.../episodes/<id>/v1) or the header X-Turnrl-Episode",
+            )
+        with self._lock:
+            inbox = self._episodes.get(episode_id)
+        if inbox is None:
+            raise EndpointError(
+                404, f"no episode {episode_id!r} is open (it is over, or was never started)"
+            )
+        return inbox
+
+    async def _ask(self, inbox: EpisodeInbox, body: dict[str, Any]) -> dict[str, Any]:
+        """The episode's chat completion for the chat request ``body``."""
+        call = AgentCall(body)
+        try:
+            inbox.loop.call_soon_threadsafe(inbox.deliver, call)
+            return await asyncio.wait_for(asyncio.wrap_future(call.reply), self.reply_timeout_s)
+        except asyncio.TimeoutError:
+            raise EndpointError(
+                504, f"the policy did not answer within {self.reply_timeout_s:g} s"
+            ) from None
+        except RuntimeError as exc:  # the episode's loop is gone (the run stopped)
+            raise EndpointError(409, f"episode {inbox.id} is over: {exc}") from None
 
     def _denied(self, request: Any) -> Any:
         if self.api_key is None:
@@ -280,11 +344,10 @@ class PolicyEndpoint:
 
 
 def check_request(body: Any) -> None:
-    """Raise ``EndpointError(400, ...)`` for a request the training endpoint cannot serve."""
+    """Raise ``EndpointError(400, ...)`` for a chat request the training endpoint cannot
+    serve."""
     if not isinstance(body, dict):
         raise EndpointError(400, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise EndpointError(400, "stream=true is not supported by turnrl's training endpoint")
     if body.get("n", 1) not in (1, None):
         raise EndpointError(400, "n must be 1: each call is one turn of one episode")
     messages = body.get("messages")
@@ -324,6 +387,32 @@ def check_request(body: Any) -> None:
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
         raise EndpointError(400, "'stop' must be a string or a list of strings")
+
+
+async def _json(request: Any) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EndpointError(400, f"the request body is not JSON: {exc}") from None
+
+
+def _json_response(payload: dict[str, Any]) -> Any:
+    from aiohttp import web
+
+    return web.json_response(payload)
+
+
+async def _stream(request: Any, body: bytes) -> Any:
+    """A ``text/event-stream`` response of the events in ``body`` (all sampled already)."""
+    from aiohttp import web
+
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    await response.write(body)
+    await response.write_eof()
+    return response
 
 
 def _error(status: int, message: str) -> Any:
