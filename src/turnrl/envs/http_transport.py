@@ -13,7 +13,8 @@ What it keeps of the SDK's contract: the request's connect and read timeouts (fr
 request's ``timeout`` extension), and transport failures raised as the httpx module's own
 ``ConnectError``, ``ReadTimeout`` and ``ReadError``, so the SDK turns them into
 ``APIConnectionError`` / ``APITimeoutError`` as it does with its own transport. Bodies are
-read whole (the endpoint does not stream), decompressed by aiohttp.
+read whole, decompressed by aiohttp: the endpoint's streams (``stream: true``) are written
+at once, when the turn is sampled, so reading them whole loses nothing.
 """
 
 from __future__ import annotations
