@@ -114,6 +114,9 @@ def test_a_call_to_a_tool_the_agent_lacks_is_a_failed_episode(tokenizer: Any, ho
     )  # fmt: skip
     assert traj.info["model_error"]["type"] == "ModelBehaviorError"
     assert "ant" in traj.info["model_error"]["message"]
+    [call] = traj.tool_calls  # the call the agent refused, recorded as failed
+    assert (call.name, call.ok) == ("ant", False)
+    assert (call.error or "").startswith("ModelBehaviorError: ")
 
 
 def test_a_batch_counts_the_sdks_model_errors_and_trains_on_them(tokenizer: Any) -> None:

@@ -178,7 +178,7 @@ class AgentEnv:
         answered = time.monotonic()
         call = await self._next_call()
         if call is None:
-            return await self._finish()
+            return await self._finish(calls)
         latency = time.monotonic() - answered
         results = {
             str(m.get("tool_call_id")) for m in call.body["messages"] if m.get("role") == "tool"
@@ -261,7 +261,10 @@ class AgentEnv:
                 )
             raise exc  # the agent's own traceback is the story
 
-    async def _finish(self) -> StepResult:
+    async def _finish(self, calls: list[dict[str, Any]]) -> StepResult:
+        """The agent returned (scored by ``reward``) or raised one of the model errors
+        (a failed episode; the tool calls of the last reply, which the agent did not run,
+        are recorded as failed with it); anything else it raised is raised here."""
         assert self._agent is not None
         assert self.task is not None
         error = None if self._agent.cancelled() else self._agent.exception()
@@ -279,6 +282,13 @@ class AgentEnv:
         info: dict[str, Any] = {"success": verdict.success, "reward_components": verdict.components}
         if error is not None:
             info["model_error"] = {"type": kind, "message": _message(error)}
+            info["tool_calls"] = [
+                ToolCallRecord(
+                    c["function"]["name"], _arguments(c["function"]["arguments"]), 0.0, False,
+                    f"{kind}: {_message(error)}",
+                )
+                for c in calls
+            ]  # fmt: skip
         return StepResult(reward=verdict.reward, terminated=True, info=info)
 
     # -- requests and replies --------------------------------------------------------------
