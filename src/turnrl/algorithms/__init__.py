@@ -4,11 +4,13 @@
 - ``gae``: GAE and turn-level (bi-level) GAE over multi-turn sequences, skipping masked tokens;
 - ``gigpo``: GiGPO's episode- and step-level group advantages;
 - ``turns``: turns of a sequence read off its loss mask;
-- ``losses``: per-token PPO clip (decoupled, dual clip), GSPO, value loss, entropy;
+- ``losses``: per-token PPO clip (decoupled, dual clip), GSPO, CISPO, GMPO, SAPO, value loss,
+  entropy;
 - ``reductions``: masked sums and means, and the four loss-aggregation modes;
 - ``kl``: the k1, k2, k3 and k3+ estimators of KL to a reference policy;
 - ``selection``: DAPO dynamic sampling and overlong shaping, StarPO-S variance filter;
-- ``off_policy``: truncated importance sampling, sequence masking, decoupled PPO, lag.
+- ``off_policy``: truncated and masked importance sampling (token, sequence, IcePop),
+  sequence masking (product or geometric-mean ratio), decoupled PPO, lag.
 
 Nothing here touches a model, an optimiser, a config or a rollout.
 """
@@ -33,21 +35,29 @@ from turnrl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_k3_plus
 from turnrl.algorithms.losses import (
     PolicyLossOutput,
     ValueLossOutput,
+    cispo_policy_loss,
     clip_fraction,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
+    gmpo_policy_loss,
     gspo_policy_loss,
     policy_ratio,
+    sapo_policy_loss,
     sequence_ratio,
 )
 from turnrl.algorithms.off_policy import (
     ImportanceWeights,
+    MaskedWeights,
     SequenceMask,
     decoupled_policy_loss,
+    geometric_sequence_mask,
+    icepop_weights,
     policy_lag_metrics,
+    sequence_mis_weights,
     sequence_ratio_mask,
     sequence_tis_weights,
+    token_mis_weights,
     token_tis_weights,
 )
 from turnrl.algorithms.reductions import (
@@ -70,9 +80,11 @@ __all__ = [
     "KL_ESTIMATORS",
     "AdvantagesAndReturns",
     "ImportanceWeights",
+    "MaskedWeights",
     "PolicyLossOutput",
     "SequenceMask",
     "ValueLossOutput",
+    "cispo_policy_loss",
     "clip_fraction",
     "clipped_policy_loss",
     "clipped_value_loss",
@@ -81,10 +93,13 @@ __all__ = [
     "dr_grpo_advantages",
     "entropy_from_logits",
     "gae_advantages",
+    "geometric_sequence_mask",
     "gigpo_advantages",
+    "gmpo_policy_loss",
     "group_reward_std",
     "grpo_advantages",
     "gspo_policy_loss",
+    "icepop_weights",
     "informative_groups",
     "kl_k1",
     "kl_k2",
@@ -100,14 +115,17 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "sapo_policy_loss",
     "seq_mean_token_mean",
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
+    "sequence_mis_weights",
     "sequence_ratio",
     "sequence_ratio_mask",
     "sequence_tis_weights",
     "step_group_advantages",
     "token_mean",
+    "token_mis_weights",
     "token_tis_weights",
     "top_variance_groups",
     "turn_end_mask",

@@ -1,4 +1,5 @@
-"""Per-token losses: PPO clip (decoupled, dual clip), GSPO, clipped value loss, entropy.
+"""Per-token losses: PPO clip (decoupled, dual clip), GSPO, CISPO, GMPO, SAPO, clipped value
+loss, entropy.
 
 Pure tensor functions over ``[B, T]`` tokens. Every function takes a ``loss_mask`` (true on
 policy-sampled tokens; false on prompt, tool output and padding) and masks with
@@ -24,12 +25,15 @@ from turnrl.algorithms.reductions import _bool_mask, masked_mean
 __all__ = [
     "PolicyLossOutput",
     "ValueLossOutput",
+    "cispo_policy_loss",
     "clip_fraction",
     "clipped_policy_loss",
     "clipped_value_loss",
     "entropy_from_logits",
+    "gmpo_policy_loss",
     "gspo_policy_loss",
     "policy_ratio",
+    "sapo_policy_loss",
     "sequence_ratio",
 ]
 
@@ -208,6 +212,158 @@ def gspo_policy_loss(
         per_token_loss=torch.where(mask, loss[:, None], torch.zeros_like(logprobs)),
         clipped=clipped[:, None] & mask,
         ratio=torch.where(mask, seq_ratio[:, None], torch.ones_like(logprobs)),
+    )
+
+
+def _check_policy_inputs(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    per_token: bool,
+) -> None:
+    """Shapes: ``[B, T]`` log-probs and mask; advantages ``[B, T]`` or ``[B, 1]``
+    (``per_token``), else ``[B, 1]`` only."""
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    if old_logprobs.shape != logprobs.shape or loss_mask.shape != logprobs.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and loss_mask must share one [B, T] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(loss_mask.shape)}"
+        )
+    batch_size, num_tokens = logprobs.shape
+    allowed = {(batch_size, 1), (batch_size, num_tokens)} if per_token else {(batch_size, 1)}
+    if advantages.shape not in allowed:
+        raise ValueError(
+            f"advantages must be one of {sorted(allowed)}, got shape {tuple(advantages.shape)}"
+        )
+
+
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float | None = None,
+    eps_high: float = 0.28,
+) -> PolicyLossOutput:
+    """CISPO: REINFORCE weighted by the clipped, detached importance ratio, per token.
+
+    ``logprobs``, ``old_logprobs`` and ``loss_mask`` are ``[B, T]``; ``advantages`` is
+    ``[B, T]`` or ``[B, 1]``. MiniMax-M1 (MiniMax 2025, arXiv:2506.13585, eq. 4), as a loss:
+        loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi_theta(o_t),
+    sg = stop-gradient. PPO's clip zeroes the gradient of a token whose ratio left the range
+    (often a rare, decisive token such as "However" or "Wait", after the first update);
+    CISPO bounds the token's *weight* instead and always keeps its gradient,
+    -clip(r) A grad log pi. The paper sets no lower bound (``eps_low`` None) and tunes only
+    ``eps_high``. The value is the paper's objective (it includes log pi, so it is not a
+    surrogate of the return; its gradient is). ``clipped`` marks the tokens whose weight was
+    bounded (they still get a gradient); ``ratio`` is r.
+    """
+    _check_policy_inputs(logprobs, old_logprobs, advantages, loss_mask, per_token=True)
+    if (eps_low is not None and eps_low < 0) or eps_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    mask = _bool_mask(loss_mask, logprobs)
+    ratio = policy_ratio(logprobs, old_logprobs, mask)  # [B, T], 1 where masked
+    low = 1.0 - eps_low if eps_low is not None else None
+    weight = ratio.detach().clamp(min=low, max=1.0 + eps_high)  # [B, T]
+    adv = torch.where(mask, advantages.expand_as(logprobs), 0.0)
+    safe_logprobs = torch.where(mask, logprobs, 0.0)
+    loss = -weight * adv * safe_logprobs
+    return PolicyLossOutput(
+        per_token_loss=torch.where(mask, loss, 0.0),
+        clipped=(weight != ratio.detach()) & mask,
+        ratio=ratio,
+    )
+
+
+def gmpo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 0.4,
+    eps_high: float = 0.4,
+) -> PolicyLossOutput:
+    """GMPO: the clipped objective on the geometric mean of the token ratios, per sequence.
+
+    ``logprobs``, ``old_logprobs`` and ``loss_mask`` are ``[B, T]``; ``advantages`` is
+    ``[B, 1]`` (one per sequence). Geometric-Mean Policy Optimization (Zhao et al. 2025,
+    arXiv:2507.20673, eq. 4), as a loss:
+        loss_i = -A_i * exp(mean_t sgn(A_i) min(sgn(A_i) log r_t,
+                                                sgn(A_i) clip(log r_t, -eps_low, eps_high))).
+    GRPO maximises the arithmetic mean of the token terms r_t A, which one token with an
+    extreme ratio can dominate; the geometric mean is far less sensitive to it, which lets
+    GMPO clip each token's ratio in a wider range, (e^-0.4, e^0.4) in the paper, instead of
+    (0.8, 1.2). The clip and the min act token by token on log r, in the pessimistic
+    direction of the sign of A, as PPO's min does.
+
+    The returned ``per_token_loss`` holds loss_i on every sampled token of sequence i, so
+    ``seq_mean_token_mean`` gives GMPO's objective (the mean of loss_i over sequences)
+    exactly, value and gradient. ``clipped`` marks the tokens whose clipped log-ratio was
+    chosen (they get no gradient); ``ratio`` holds the sequence's geometric-mean ratio on its
+    sampled tokens (1.0 elsewhere).
+    """
+    _check_policy_inputs(logprobs, old_logprobs, advantages, loss_mask, per_token=False)
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    mask = _bool_mask(loss_mask, logprobs)  # [B, T]
+    has_tokens = mask.any(dim=1)  # [B]
+    adv = torch.where(has_tokens, advantages[:, 0], 0.0)  # [B]
+    sign = torch.sign(adv)[:, None]  # [B, 1]
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # [B, T]
+    clipped_log_ratio = log_ratio.clamp(-eps_low, eps_high)
+    chosen = sign * torch.minimum(sign * log_ratio, sign * clipped_log_ratio)  # [B, T]
+    mean_log_ratio = masked_mean(chosen, mask, dim=1)  # [B]
+    geo_ratio = torch.exp(mean_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [B]
+    loss = -adv * geo_ratio  # [B]
+    clipped = (sign * clipped_log_ratio < sign * log_ratio) & mask
+    return PolicyLossOutput(
+        per_token_loss=torch.where(mask, loss[:, None], 0.0),
+        clipped=clipped,
+        ratio=torch.where(mask, geo_ratio[:, None], 1.0),
+    )
+
+
+def sapo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> PolicyLossOutput:
+    """SAPO: a soft, temperature-controlled gate on the token ratio instead of a hard clip.
+
+    ``logprobs``, ``old_logprobs`` and ``loss_mask`` are ``[B, T]``; ``advantages`` is
+    ``[B, T]`` or ``[B, 1]``. Soft Adaptive Policy Optimization (Gao et al. 2025, Qwen,
+    arXiv:2511.20347, eqs. 5-6), as a loss:
+        loss_t = -f(r_t, tau_t) A_t,  f(r, tau) = sigmoid(tau (r - 1)) * 4 / tau,
+        tau_t = tau_pos if A_t > 0 else tau_neg.
+    The gradient is f'(r) r grad log pi = 4 s (1 - s) r grad log pi with s = sigmoid(tau (r -
+    1)): exactly the policy gradient on-policy (r = 1) and fading smoothly as r leaves 1, so
+    an off-policy token is attenuated rather than cut off, and a sequence with a few such
+    tokens keeps the gradient of the others. tau_neg > tau_pos makes tokens with negative
+    advantages fade faster (they raise the probability of many other tokens, which
+    destabilises training); the paper uses 1.0 and 1.05. No clip is active, so ``clipped``
+    is all False; ``ratio`` is r.
+    """
+    _check_policy_inputs(logprobs, old_logprobs, advantages, loss_mask, per_token=True)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    mask = _bool_mask(loss_mask, logprobs)
+    ratio = policy_ratio(logprobs, old_logprobs, mask)  # [B, T], 1 where masked
+    adv = torch.where(mask, advantages.expand_as(logprobs), 0.0)
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return PolicyLossOutput(
+        per_token_loss=torch.where(mask, -gate * adv, 0.0),
+        clipped=torch.zeros_like(mask),
+        ratio=ratio,
     )
 
 

@@ -213,7 +213,8 @@ class ClipConfig:
     """PPO's clipped ratio (``algorithm.clip``)."""
 
     low: float = 0.2
-    """Lower bound 1 - low."""
+    """Lower bound 1 - low (1: none, CISPO's choice). Under ``policy_loss = "gmpo"`` both
+    bounds are on log r: [-low, high]."""
     high: float = 0.2
     """Upper bound 1 + high (DAPO's clip-higher uses 0.28)."""
     dual: float = 0.0
@@ -223,7 +224,7 @@ class ClipConfig:
     def __post_init__(self) -> None:
         _require(
             [
-                (0.0 <= self.low < 1.0, "algorithm.clip.low must be in [0, 1)"),
+                (0.0 <= self.low <= 1.0, "algorithm.clip.low must be in [0, 1]"),
                 (self.high >= 0.0, "algorithm.clip.high must be >= 0"),
                 (self.dual == 0.0 or self.dual > 1.0, "algorithm.clip.dual must be 0 (off) or > 1"),
             ]
@@ -298,18 +299,74 @@ class OverlongConfig:
 class OffPolicyConfig:
     """The sampler/learner mismatch pi_learner / pi_sampler (``algorithm.off_policy``)."""
 
-    correction: Literal["auto", "none", "token_tis", "sequence_tis", "sequence_mask"] = "auto"
+    correction: Literal[
+        "auto", "none", "token_tis", "sequence_tis", "sequence_mask",
+        "token_mis", "sequence_mis", "icepop", "geometric_mask",
+    ] = "auto"  # fmt: skip
     """Truncated importance weights per token or per sequence (capped at ``cap``), or
-    dropping sequences whose ratio exceeds ``cap``; ``auto`` is ``token_tis`` when another
-    engine samples (``rollout.backend = "vllm"``) or older weights do
-    (``algorithm.max_staleness`` > 0), and ``none`` when the learner's own model does."""
+    dropping sequences whose ratio exceeds ``cap``; masked importance weights (the ratio
+    inside the band ``min_ratio``..``max_ratio``, the token or sequence dropped outside it)
+    per token (``token_mis``), per sequence (``sequence_mis``) or IcePop's two-sided token
+    band (``icepop``); or dropping sequences whose geometric-mean ratio leaves the band
+    (``geometric_mask``). ``auto`` is ``token_tis`` when another engine samples
+    (``rollout.backend = "vllm"``) or older weights do (``algorithm.max_staleness`` > 0),
+    and ``none`` when the learner's own model does (docs/algorithms.md)."""
     cap: float = 2.0
-    """Cap C of the truncated importance weights / the sequence mask's threshold."""
+    """Cap C of the truncated importance weights / the sequence mask's threshold / the
+    upper end of the MIS band."""
+    min_ratio: float = 0.0
+    """Lower end of the masks' band (0: the correction's own: none for token_mis and
+    sequence_mis, 0.5 for icepop, 0.999 for geometric_mask)."""
+    max_ratio: float = 0.0
+    """Upper end of the masks' band (0: the correction's own: ``cap`` for token_mis and
+    sequence_mis, 5 for icepop, 1.001 for geometric_mask)."""
+
+    @property
+    def band(self) -> tuple[float | None, float]:
+        """The masks' (lower, upper) ratio band under this ``correction``: the ends set,
+        else its own (``BANDS``; MIS: none and ``cap``); a lower end of None is none."""
+        low, high = BANDS.get(self.correction, (None, None))
+        return (self.min_ratio or low, self.max_ratio or high or self.cap)
+
+    def __post_init__(self) -> None:
+        low, high = self.band
+        _require(
+            [
+                (self.cap > 0.0, "algorithm.off_policy.cap must be > 0"),
+                (self.min_ratio >= 0.0, "algorithm.off_policy.min_ratio must be >= 0"),
+                (self.max_ratio >= 0.0, "algorithm.off_policy.max_ratio must be >= 0"),
+                (
+                    low is None or low <= high,
+                    "algorithm.off_policy.min_ratio must be <= max_ratio",
+                ),
+            ]
+        )
+
+
+BANDS: dict[str, tuple[float | None, float | None]] = {
+    "token_mis": (None, None),
+    "sequence_mis": (None, None),
+    "icepop": (0.5, 5.0),
+    "geometric_mask": (0.999, 1.001),
+}
+"""The default (lower, upper) ratio band of each masking correction (docs/algorithms.md):
+MIS one-sided at ``cap`` (None), IcePop's [0.5, 5], Geo-RS's +-0.1% per token."""
+
+
+@dataclass(frozen=True)
+class SAPOConfig:
+    """SAPO's soft gate, ``policy_loss = "sapo"`` (``algorithm.sapo``)."""
+
+    tau_pos: float = 1.0
+    """Gate temperature for tokens with a positive advantage."""
+    tau_neg: float = 1.05
+    """Gate temperature for the others (larger: they fade faster off-policy)."""
 
     def __post_init__(self) -> None:
         _require(
             [
-                (self.cap > 0.0, "algorithm.off_policy.cap must be > 0"),
+                (self.tau_pos > 0.0, "algorithm.sapo.tau_pos must be > 0"),
+                (self.tau_neg > 0.0, "algorithm.sapo.tau_neg must be > 0"),
             ]
         )
 
@@ -423,9 +480,11 @@ class AlgorithmConfig:
     tokens; ``_baseline`` subtracts the group mean first), or GiGPO (GRPO per episode plus
     a step-level term among turns of one task that saw an identical context), or GAE with
     a learned critic (PPO; see ``critic`` and ``gae``)."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "cispo", "gmpo", "sapo"] = "ppo"
     """PPO's clipped surrogate per token, or GSPO's on one length-normalised ratio per
-    sequence (use GSPO's small clip ranges, e.g. clip.low 3e-4, clip.high 4e-4)."""
+    sequence (use GSPO's small clip ranges, e.g. clip.low 3e-4, clip.high 4e-4), CISPO's
+    REINFORCE weighted by the clipped, detached ratio, GMPO's clipped geometric mean of the
+    token ratios (clip on log r), or SAPO's soft gate (``sapo``) (docs/algorithms.md)."""
     loss_reduction: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
     ] = "token_mean"
@@ -478,6 +537,7 @@ class AlgorithmConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     gae: GAEConfig = field(default_factory=GAEConfig)
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
+    sapo: SAPOConfig = field(default_factory=SAPOConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
 
     @property
@@ -500,7 +560,7 @@ class AlgorithmConfig:
                     "between turns",
                 ),
                 (
-                    not (self.policy_loss == "gspo" and self.clip.dual),
+                    self.policy_loss == "ppo" or not self.clip.dual,
                     "algorithm.clip.dual applies to the ppo policy loss only",
                 ),
             ]
@@ -789,7 +849,7 @@ def resolved(config: Config) -> Config:
     if off.correction != "auto":
         return config
     other = r.backend == "vllm" or bf16_copy or config.algorithm.max_staleness > 0
-    made = OffPolicyConfig("token_tis" if other else "none", off.cap)
+    made = dataclasses.replace(off, correction="token_tis" if other else "none")
     algorithm = dataclasses.replace(config.algorithm, off_policy=made)
     return dataclasses.replace(config, algorithm=algorithm)
 
@@ -991,6 +1051,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     raise ConfigError(f"{path} must be {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
+CAPPED = frozenset({"token_tis", "sequence_tis", "sequence_mask", "token_mis", "sequence_mis"})
+"""The corrections that ``algorithm.off_policy.cap`` bounds."""
+
+
 def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
     """(a setting, whether it has an effect under ``a``, when it does)."""
     gae = a.advantage == "gae"
@@ -1002,6 +1066,15 @@ def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
         ("kl.estimator", a.kl.coef > 0, "kl.coef > 0"),
         ("kl.placement", a.kl.coef > 0, "kl.coef > 0"),
         ("off_policy.cap", a.off_policy.correction != "none", "off_policy.correction != 'none'"),
+        ("off_policy.cap", a.off_policy.correction in CAPPED,
+         f"off_policy.correction in {sorted(CAPPED)}"),
+        ("off_policy.min_ratio", a.off_policy.correction in BANDS,
+         f"off_policy.correction in {sorted(BANDS)}"),
+        ("off_policy.max_ratio", a.off_policy.correction in BANDS,
+         f"off_policy.correction in {sorted(BANDS)}"),
+        ("sapo", a.policy_loss == "sapo", "policy_loss = 'sapo'"),
+        ("clip.low", a.policy_loss != "sapo", "policy_loss != 'sapo'"),
+        ("clip.high", a.policy_loss != "sapo", "policy_loss != 'sapo'"),
         ("filter.max_rounds", a.filter.dynamic_sampling, "filter.dynamic_sampling = true"),
         ("clip.dual", a.policy_loss == "ppo", "policy_loss = 'ppo'"),
         ("partial_rollouts", a.max_staleness > 0, "max_staleness >= 1"),

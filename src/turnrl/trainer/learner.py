@@ -20,19 +20,27 @@ import torch
 
 from turnrl.algorithms import (
     KL_ESTIMATORS,
+    MaskedWeights,
     PolicyLossOutput,
+    cispo_policy_loss,
     clipped_policy_loss,
     decoupled_policy_loss,
     gae_advantages,
+    geometric_sequence_mask,
+    gmpo_policy_loss,
     gspo_policy_loss,
+    icepop_weights,
     masked_mean,
     masked_whiten,
+    sapo_policy_loss,
     seq_mean_token_mean,
     seq_mean_token_sum,
     seq_mean_token_sum_norm,
+    sequence_mis_weights,
     sequence_ratio_mask,
     sequence_tis_weights,
     token_mean,
+    token_mis_weights,
     token_tis_weights,
     turn_level_gae_advantages,
 )
@@ -559,7 +567,38 @@ def _decoupled_ppo(
     )  # fmt: skip
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": _ppo, "gspo": _gspo}
+def _cispo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
+    adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
+) -> PolicyLossOutput:  # fmt: skip
+    eps_low = cfg.clip.low if cfg.clip.low < 1.0 else None  # 1: no lower bound
+    return cispo_policy_loss(
+        logprobs, proximal, adv, mb.loss_mask, eps_low=eps_low, eps_high=cfg.clip.high
+    )
+
+
+def _gmpo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
+    adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
+) -> PolicyLossOutput:  # fmt: skip
+    seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mb.loss_mask)
+    return gmpo_policy_loss(
+        logprobs, proximal, seq_adv, mb.loss_mask, eps_low=cfg.clip.low, eps_high=cfg.clip.high
+    )
+
+
+def _sapo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
+    adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
+) -> PolicyLossOutput:  # fmt: skip
+    return sapo_policy_loss(
+        logprobs, proximal, adv, mb.loss_mask, tau_pos=cfg.sapo.tau_pos, tau_neg=cfg.sapo.tau_neg
+    )
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": _ppo, "gspo": _gspo, "cispo": _cispo, "gmpo": _gmpo, "sapo": _sapo,
+}  # fmt: skip
 """``algorithm.policy_loss``: the per-token surrogate (docs/algorithms.md)."""
 
 Correction = Callable[
@@ -601,11 +640,42 @@ def _sequence_mask(
     return out, mb.loss_mask & keep.keep[:, None], keep.metrics
 
 
+def _masked(
+    out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
+) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked importance sampling (token, sequence, IcePop): the ratio inside the band,
+    the token dropped outside it (it keeps its place in the normaliser)."""
+    low, high = cfg.off_policy.band
+    weigh = MASKED_WEIGHTS[cfg.off_policy.correction]
+    w = weigh(proximal, mb.old_logprobs, mb.loss_mask, min_ratio=low, max_ratio=high)
+    return _reweighted(out, w.weights, mb.loss_mask), mb.loss_mask & w.keep, w.metrics
+
+
+MASKED_WEIGHTS: dict[str, Callable[..., MaskedWeights]] = {
+    "token_mis": token_mis_weights, "sequence_mis": sequence_mis_weights,
+    "icepop": icepop_weights,
+}  # fmt: skip
+
+
+def _geometric_mask(
+    out: PolicyLossOutput, proximal: torch.Tensor, mb: Batch, cfg: AlgorithmConfig
+) -> tuple[PolicyLossOutput, torch.Tensor, dict[str, torch.Tensor]]:
+    low, high = cfg.off_policy.band
+    keep = geometric_sequence_mask(
+        proximal, mb.old_logprobs, mb.loss_mask, min_ratio=low, max_ratio=high
+    )
+    return out, mb.loss_mask & keep.keep[:, None], keep.metrics
+
+
 CORRECTIONS: dict[str, Correction] = {
     "none": _no_correction,
     "auto": _no_correction,  # the trainer resolves it (config.resolved); a bare learner: none
     "token_tis": _token_tis,  # with PPO the trainer uses _decoupled_ppo instead
     "sequence_tis": _sequence_tis,
     "sequence_mask": _sequence_mask,
+    "token_mis": _masked,
+    "sequence_mis": _masked,
+    "icepop": _masked,
+    "geometric_mask": _geometric_mask,
 }
 """``algorithm.off_policy``: how the sampler/learner gap is corrected (docs/algorithms.md)."""
