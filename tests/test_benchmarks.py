@@ -318,6 +318,19 @@ def scale(data: dict[str, Any], tmp: Path) -> None:
     assert all(ranks[f"{case}{way}"] > 0 for way in ways for case in ("", "LoRA, ", "k = 1, "))
 
 
+def parity_2026(data: dict[str, Any], tmp: Path) -> None:
+    assert data["smoke"] is True
+    assert data["all_within_tolerance"] is True
+    functions = {r["function"] for r in data["runs"]}
+    assert {
+        "icepop_weights",
+        "cispo_policy_loss",
+        "gmpo_policy_loss",
+        "sapo_policy_loss",
+    } <= functions
+    assert all(r["cases"] == 1 and r["max_abs_diff"] <= data["tolerance"] for r in data["runs"])
+
+
 CHECKS: dict[str, Check] = {
     "bf16_gradients": bf16_gradients,
     "copying": copying,
@@ -327,6 +340,7 @@ CHECKS: dict[str, Check] = {
     "gpu": gpu,
     "learner": learner,
     "learning_proof": learning_proof,
+    "parity_2026": parity_2026,
     "presets": presets,
     "reliability": reliability,
     "rollout": rollout,
