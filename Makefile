@@ -154,8 +154,8 @@ learning-lane: setup-test setup-vllm
 # estimators and losses, bf16 against float32) again on ATen's scalar kernels
 # (ATEN_CPU_CAPABILITY=default), which round differently from the AVX2 and AVX-512 ones
 # torch picks on x86 CPUs. A tolerance set at one CPU's noise floor fails here first.
-OTHER_CPU_TESTS := tests/test_learner.py tests/test_precision.py tests/test_algorithms_off_policy.py \
-	tests/test_credit.py
+OTHER_CPU_TESTS := tests/test_learner.py tests/test_precision.py tests/test_credit.py \
+	$(wildcard tests/test_algorithms*.py)
 other-cpu-lane: setup-test
 	ATEN_CPU_CAPABILITY=default $(VENV)/bin/pytest -q -p no:cacheprovider $(OTHER_CPU_TESTS)
 

@@ -53,12 +53,6 @@ class SecretLookup:
     ``llama3_json`` or ``mistral`` for those families' models."""
     latency_s: float = 0.0
     """Seconds each lookup takes (a slow API: benchmarks of overlap and concurrency)."""
-    demo_solved: float = 0.0
-    """Share of the warm-up demonstrations that solve their task (the asked key looked up,
-    its value answered), the others random as usual. 0 teaches grammar alone, and RL must
-    discover the whole skill (benchmarks/learning_proof.py); above 0 the warm-up starts
-    the skill and RL has to sharpen it, a signal strong enough to learn within a fixed
-    budget whatever the float rounding (the learning tests)."""
 
     name = "secret_lookup"
 
@@ -72,8 +66,6 @@ class SecretLookup:
                 f"secret_lookup.num_values must be in 10..{len(VALUE_NAMES)} "
                 "(chance success must stay at or below 10%)"
             )
-        if not 0.0 <= self.demo_solved <= 1.0:
-            raise ConfigError("secret_lookup.demo_solved must be in 0..1 (a share of demos)")
         if not 0.0 <= self.latency_s <= 4.0:
             raise ConfigError("secret_lookup.latency_s must be in 0..4 (the tool's limit is 5 s)")
         get_format(self.format)  # an unknown name fails here, naming the known ones
@@ -156,14 +148,10 @@ class SecretLookup:
 
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
         """Assistant turns that show the format only: a call with a random key, then a
-        random answer. They teach grammar, never the solution (the warm-up's job), except
-        for the ``demo_solved`` share, which shows it."""
+        random answer. They teach grammar, never the solution (the warm-up's job)."""
         key = rng.choice(KEY_NAMES[: self.key_pool])
-        answer = rng.choice(VALUE_NAMES[: self.num_values])
-        if self.demo_solved and rng.random() < self.demo_solved:
-            key, answer = task.metadata["key"], str(task.answer)
         call = get_format(self.format).render_call(ToolCall("lookup", {"key": key}))
-        return [call, answer]
+        return [call, rng.choice(VALUE_NAMES[: self.num_values])]
 
     def corpus(self) -> list[str]:
         """Text for a tiny tokenizer: every key and value, questions and calls."""
