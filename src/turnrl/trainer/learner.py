@@ -503,10 +503,13 @@ def _whiten_across(
     return out
 
 
-def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One advantage per row, ``[B, T] -> [B, 1]``: the mean over its sampled tokens (the
-    row's value when it is the same on every token)."""
-    return masked_mean(advantages, mask, dim=1)[:, None]
+def _sequence_advantage(adv: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """One advantage per row, ``[B, 1]``: the row's own where the batch holds one per
+    sequence, else the mean over its sampled tokens (the row's value when it is the same on
+    every token)."""
+    if mb.advantages.ndim == 1:
+        return adv[:, :1]
+    return masked_mean(adv, mb.loss_mask, dim=1)[:, None]
 
 
 def _reweighted(
@@ -549,7 +552,7 @@ def _gspo(
     logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
     adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
 ) -> PolicyLossOutput:  # fmt: skip
-    seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mb.loss_mask)
+    seq_adv = _sequence_advantage(adv, mb)
     return gspo_policy_loss(
         logprobs, proximal, seq_adv, mb.loss_mask, eps_low=cfg.clip.low, eps_high=cfg.clip.high
     )
@@ -581,7 +584,7 @@ def _gmpo(
     logprobs: torch.Tensor, proximal: torch.Tensor, _sampler: torch.Tensor,
     adv: torch.Tensor, mb: Batch, cfg: AlgorithmConfig,
 ) -> PolicyLossOutput:  # fmt: skip
-    seq_adv = adv[:, :1] if mb.advantages.ndim == 1 else _sequence_advantage(adv, mb.loss_mask)
+    seq_adv = _sequence_advantage(adv, mb)
     return gmpo_policy_loss(
         logprobs, proximal, seq_adv, mb.loss_mask, eps_low=cfg.clip.low, eps_high=cfg.clip.high
     )
