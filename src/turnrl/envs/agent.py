@@ -84,6 +84,9 @@ MODEL_ERRORS: tuple[str, ...] = (
     "smolagents.utils.AgentParsingError",
     "smolagents.utils.AgentExecutionError",
     "smolagents.utils.AgentMaxStepsError",
+    # DSPy: the model's text does not parse as the signature's output fields (after the
+    # JSON adapter's second try)
+    "dspy.utils.exceptions.AdapterParseError",
 )
 """The exceptions that agent frameworks raise for the model's own mistakes: an episode of
 ``AgentEnvironment`` that ends on one is a failed episode, trained on, not a bug."""

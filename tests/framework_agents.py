@@ -1,0 +1,86 @@
+"""What the agent frameworks' tests share (tests/test_langgraph.py, test_pydantic_ai.py,
+test_smolagents.py, test_dspy.py): their example loaded, a batch of its episodes played
+against a policy double, and the example trained a few steps as a user runs it. Imports
+no framework: each test file skips where its framework is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import runpy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SMALL_RUN
+from test_agent_endpoint import ReadingBackend
+from turnrl.envs.agent import AgentEnvironment
+from turnrl.models.loading import stop_token_ids
+from turnrl.rollout.chat import ChatRenderer
+from turnrl.rollout.episode import EpisodeLimits, SamplingParams
+from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
+from turnrl.types import Task, Trajectory
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example(name: str) -> dict[str, Any]:
+    """The globals of examples/<name>.py (its ``agent``, ``reward`` and ``PROBE``)."""
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"))
+
+
+def task_with_key_other_than(probe: Any, key: str) -> Task:
+    return next(t for t in map(probe.task, range(100)) if t.metadata["key"] != key)
+
+
+def play_a_batch(
+    tokenizer: Any,
+    example: dict[str, Any],
+    policy: Callable[[str], str],
+    *,
+    tasks: int = 6,
+    max_context_tokens: int = 1024,
+) -> tuple[list[Trajectory], dict[str, float], list[Task]]:
+    """Groups of two episodes of the example's agent on its first ``tasks`` tasks, as a
+    training step collects them (four turns at most): the trajectories, the step's rollout
+    metrics, the tasks."""
+    environment = AgentEnvironment(example["agent"], example["PROBE"].task, example["reward"])
+    spec = GroupSpec(
+        group_size=2,
+        limits=EpisodeLimits(max_turns=4, max_context_tokens=max_context_tokens, timeout_s=60),
+        sampling=SamplingParams(stop_token_ids=stop_token_ids(tokenizer)),
+        seed=0,
+    )
+    batch = [environment.task(i) for i in range(tasks)]
+    try:
+        groups = asyncio.run(
+            collect_groups(
+                batch, environment.make_env, ReadingBackend(tokenizer, policy),
+                ChatRenderer(tokenizer), spec,
+            )
+        )  # fmt: skip
+    finally:
+        environment.close()
+    return [t for g in groups for t in g], rollout_metrics(groups), batch
+
+
+def train_the_example(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str
+) -> list[dict[str, Any]]:
+    """Run examples/<name>.py as ``python examples/<name>.py <SMALL_RUN> <overrides>`` in
+    ``tmp_path`` (in this process: torch and the framework are imported once); return the
+    rows of its trained steps, after checking that there are two and that no episode
+    failed."""
+    monkeypatch.chdir(tmp_path)
+    path = str(EXAMPLES / f"{name}.py")
+    monkeypatch.setattr(sys, "argv", [path, *SMALL_RUN, *overrides])
+    runpy.run_path(path, run_name="__main__")
+    (metrics,) = tmp_path.glob("runs/*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    trained = [r for r in rows if "loss/policy" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert all(r["rollout/errors"] == 0 for r in trained)
+    return trained
