@@ -122,6 +122,8 @@ typecheck: setup
 #    files (module fixtures are built once; TEST_WORKERS=0 runs it in this process); beside
 #    it mypy at the lowest priority (nice 19): it takes the moments a core would idle
 #    (about 6% of the suite's) instead of a minute and a half of the set-up's critical path.
+#    Tests marked `slow` (fault injection and fuzzing at full size) are left out: run them
+#    with `.venv/bin/pytest -m slow`.
 # 3. Two lanes side by side, each test in them on one torch thread: in .venv the learning
 #    tests and the `serial` ones (they check machine-wide state that another test process
 #    of the suite may change), then the vLLM tests in .venv-vllm; beside them the backends
@@ -140,7 +142,7 @@ test:
 	$(MAKE) --no-print-directory -j2 -Otarget learning-lane vllm-learning-lane other-cpu-lane
 
 suite: setup-test
-	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial"
+	$(VENV)/bin/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not learning and not serial and not slow"
 
 typecheck-beside: setup
 	nice -n 19 $(VENV)/bin/mypy
@@ -163,7 +165,7 @@ vllm-learning-lane: setup-vllm
 	$(if $(HAS_GPU),,$(VLLM_VENV)/bin/python -m pytest -q --durations=5 -p no:cacheprovider $(VLLM_TESTS_BESIDE))
 
 unit: setup-test
-	$(VENV)/bin/pytest -q -m "not learning"
+	$(VENV)/bin/pytest -q -m "not learning and not slow"
 
 learning-proof: setup
 	$(PY) benchmarks/learning_proof.py
@@ -186,7 +188,7 @@ test-latest: setup-test
 	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt pip
 	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt "$(TORCH_SPEC)"
 	$(LATEST_VENV)/bin/python -m pip install --quiet -c $(LATEST_VENV)/lock.txt -e ".[dev]"
-	$(LATEST_VENV)/bin/pytest -q -p no:cacheprovider
+	$(LATEST_VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -65,7 +65,7 @@ every sampler erratic: OpenMP threads that wait for a busy core).
 
     .venv-vllm/bin/python benchmarks/backends.py
     .venv-vllm/bin/python benchmarks/backends.py --smoke    # tiny settings, seconds
-    python3 benchmarks/backends.py --sections gpu   # a lent GPU (benchmarks/gpu_vllm_checks.sh)
+    python3 benchmarks/backends.py --sections gpu   # a lent GPU (dev/gpu_vllm_checks.sh)
 
 Needs vLLM (``make setup-vllm``: .venv-vllm). Writes benchmarks/results/backends.json and
 .md; models go to benchmarks/runs/backends (``--out``, ``--runs-dir``; ``--smoke``: a
@@ -94,11 +94,17 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch
 
 from outputs import parse_args
+from turnrl import Trajectory
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.vllm_backend import VLLMBackend, import_vllm
 from turnrl.envs import SecretLookup
-from turnrl.models import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
-from turnrl.models.loading import stop_token_ids
+from turnrl.models import (
+    TinyModelConfig,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    stop_token_ids,
+)
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
@@ -108,7 +114,7 @@ from turnrl.trainer.warmup import (
     supervised_warmup,
     warmup_samples,
 )
-from turnrl.types import Completion, GenerationRequest, Trajectory
+from turnrl.types import Completion, GenerationRequest
 
 SECTIONS = ("tiny", "sync", "gpu")
 """The parts of the benchmark, in the order they run (``--sections``)."""

@@ -33,8 +33,8 @@ import torch
 
 from outputs import parse_args
 from training_runs import TINY_RUN, write_results
+from turnrl import load_config
 from turnrl.rollout.batch import Batch
-from turnrl.trainer.config import load_config
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.loop import LearnerSpec, in_process_learner, train
 

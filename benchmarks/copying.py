@@ -35,11 +35,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from outputs import parse_args
 from training_runs import write_results
-from turnrl.envs import make_env_spec
+from turnrl import load_config, make_env_spec
 from turnrl.envs.search_qa import build_world
 from turnrl.models import build_tiny_model
 from turnrl.models.pretrain import made_up_word
-from turnrl.trainer.config import load_config
 from turnrl.trainer.loop import tiny_model_config
 
 ROOT = Path(__file__).resolve().parent

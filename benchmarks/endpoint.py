@@ -37,7 +37,7 @@ import torch
 
 from outputs import parse_args
 from training_runs import TINY_RUN, eval_curve, first_reaching, write_results
-from turnrl.api import train
+from turnrl import train
 
 ROOT = Path(__file__).resolve().parent
 EXAMPLE = ROOT.parent / "examples" / "existing_agent.py"

@@ -40,9 +40,7 @@ from training_runs import (
     threads_per_job,
     write_results,
 )
-from turnrl.envs import Environment, make_env_spec
-from turnrl.trainer.config import load_config
-from turnrl.trainer.loop import train
+from turnrl import Environment, load_config, make_env_spec, train
 
 ROOT = Path(__file__).resolve().parent
 RUNS = [
@@ -63,7 +61,7 @@ def run_recipe(
     run_dir = runs / f"env-{number}-{Path(name).stem}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    result = train(config, run_dir, progress=False, env=env)
+    result = train(config, env=env, out=run_dir, progress=False)
     wall = time.perf_counter() - t0
     curve = eval_curve(result.rows)
     tail = [v for _, _, v in curve[-5:]]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from outputs import parse_args
-from turnrl.envs import make_env_spec
+from turnrl import make_env_spec
 from turnrl.envs.policy import Episode, HasOracle, play, replay
 
 ROOT = Path(__file__).resolve().parent

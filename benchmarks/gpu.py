@@ -47,9 +47,8 @@ from typing import Any
 import torch
 
 from outputs import parse_args
+from turnrl import load_config, train
 from turnrl.models import TinyModelConfig, build_tiny_model, load_tokenizer
-from turnrl.trainer.config import load_config
-from turnrl.trainer.loop import train
 
 QWEN25_05B = {
     "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -141,7 +140,7 @@ def run_real(args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         began = time.perf_counter()
         row: dict[str, Any] = {"setup": name, "params": params}
         try:
-            result = train(load_config("quickstart", sets), run_dir, progress=False)
+            result = train(load_config("quickstart", sets), out=run_dir, progress=False)
         except Exception as exc:  # one set-up failing must not hide the others' figures
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"{name}: {row['error']}", flush=True)
@@ -181,7 +180,7 @@ def run_probe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     began = time.perf_counter()
     name = "-".join(["probe", *args.probe_set]).replace("=", "_")
     run_dir = args.runs_dir / "gpu" / name
-    result = train(load_config("quickstart", sets), run_dir, progress=False)
+    result = train(load_config("quickstart", sets), out=run_dir, progress=False)
     rows = step_rows(result.rows)
     curve = [[r["step"], r["eval/success_mean"]] for r in result.rows if "eval/success_mean" in r]
     probe = {

@@ -40,9 +40,7 @@ from training_runs import (
     threads_per_job,
     write_results,
 )
-from turnrl.envs import make_env_spec
-from turnrl.trainer.config import load_config
-from turnrl.trainer.loop import train
+from turnrl import load_config, make_env_spec, train
 
 ROOT = Path(__file__).resolve().parent
 
@@ -62,7 +60,7 @@ def run_one(
     run_dir = runs / label
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    result = train(config, run_dir, progress=False)
+    result = train(config, out=run_dir, progress=False)
     wall = time.perf_counter() - t0
     curve = eval_curve(result.rows)
     reached = first_reaching(curve, 0.9)

@@ -53,8 +53,7 @@ from training_runs import (
     run_side_by_side,
     write_results,
 )
-from turnrl.trainer.config import load_config
-from turnrl.trainer.loop import train
+from turnrl import load_config, train
 
 ROOT = Path(__file__).resolve().parent
 PRESETS = ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "ppo", "gspo", "starpo_s", "gigpo"]
@@ -80,7 +79,7 @@ def warmup_checkpoint(runs: Path, seed: int, echo_steps: int, extra: Sequence[st
     if not (start / "config.json").is_file():
         shutil.rmtree(run_dir, ignore_errors=True)
         overrides = [*extra, f"seed={seed}", "steps=0", f"model.echo_steps={echo_steps}"]
-        train(load_config("learning_proof", overrides), run_dir, progress=False)
+        train(load_config("learning_proof", overrides), out=run_dir, progress=False)
     return start
 
 
@@ -119,7 +118,7 @@ def run_preset(
     run_dir = runs / f"preset-{name}{suffix}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    result = train(config, run_dir, progress=False)
+    result = train(config, out=run_dir, progress=False)
     wall = time.perf_counter() - t0
     curve = eval_curve(result.rows)
     reached = first_reaching(curve, BAR)

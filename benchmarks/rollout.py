@@ -35,12 +35,13 @@ from typing import Any
 import torch
 
 from outputs import parse_args
+from turnrl import Message, StepResult, Task
 from turnrl.backends.torch_backend import TorchBackend
-from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
+from turnrl.models import load_model, load_tokenizer, stop_token_ids
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams
 from turnrl.rollout.groups import GroupSpec, collect_groups
-from turnrl.types import Message, StepResult, Task, ToolCallRecord
+from turnrl.types import ToolCallRecord
 
 ROOT = Path(__file__).resolve().parent
 
@@ -219,8 +220,7 @@ def end_of_turn_bias(model: Any, tokenizer: Any, mean_tokens: int) -> None:
 def random_model(work: Path, wide: bool = False) -> Path:
     """A random tiny model (or a wider one: hidden 256, 4 layers) with the default
     tokenizer, built once and cached."""
-    from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import train
+    from turnrl import load_config, train
 
     name = "random-wide-model" if wide else "random-model"
     start = work / name / "start_model"
@@ -228,7 +228,7 @@ def random_model(work: Path, wide: bool = False) -> Path:
         overrides = ["steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
         if wide:
             overrides += ["model.hidden_size=256", "model.num_layers=4"]
-        train(load_config("quickstart", overrides), work / name, progress=False)
+        train(load_config("quickstart", overrides), out=work / name, progress=False)
     return start
 
 

@@ -90,13 +90,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from outputs import parse_args
+from turnrl import Task
 from turnrl.distributed import LearnerGroup
-from turnrl.envs.secret_lookup import SecretLookup
+from turnrl.envs import SecretLookup
 from turnrl.models import load_model
 from turnrl.tools import ToolSet
 from turnrl.trainer.config import AlgorithmConfig, MicroBatchConfig
 from turnrl.trainer.learner import Learner
-from turnrl.types import Sample, Task
+from turnrl.types import Sample
 
 VOCAB = 1024
 MODELS = [("tiny (64 x 2)", 64, 2, 512), ("larger (192 x 5)", 192, 5, 768)]
@@ -282,9 +283,7 @@ def tail_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same run with a slow group in every batch: synchronously, with k = 2 and
     partial rollouts, and with overlapping batches too, in process and on a rollout
     worker; median step seconds."""
-    from turnrl.api import train
-    from turnrl.envs import make_env_spec
-    from turnrl.trainer.config import load_config
+    from turnrl import load_config, make_env_spec, train
 
     out: dict[str, Any] = {"slow_s": args.tail_latency, "steps": args.async_steps}
     with tempfile.TemporaryDirectory(prefix="scale-tail-") as tmp:
@@ -369,9 +368,7 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same run with max_staleness 0, 1 and 2, and 1 and 2 with partial rollouts, with a
     steady tool and with an uneven one: median and mean step/rollout/update seconds, and
     how far behind the sampled tokens were."""
-    from turnrl.envs import make_env_spec
-    from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import train
+    from turnrl import load_config, make_env_spec, train
 
     out: dict[str, Any] = {
         "tool_latency_s": args.tool_latency, "epochs": args.epochs, "steps": args.async_steps,
@@ -400,7 +397,7 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
                     env = UnevenLookup(
                         **dataclasses.asdict(steady), per_step=config.rollout.prompts_per_step
                     )
-                rows = train(config, Path(tmp) / f"{tool}-{key}", progress=False, env=env).rows
+                rows = train(config, env=env, out=Path(tmp) / f"{tool}-{key}", progress=False).rows
                 timed = [r for r in rows if "perf/step_s" in r][2:] or [
                     r for r in rows if "perf/step_s" in r
                 ]
@@ -447,8 +444,7 @@ model, 128 episodes of longer turns), which workers can split; with the async se
 
 def workers_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same synchronous run in each ``WORKER_LAYOUTS``: rollout throughput."""
-    from turnrl.api import train
-    from turnrl.trainer.config import load_config
+    from turnrl import load_config, train
 
     out: dict[str, Any] = {"tool_latency_s": args.workers_latency, "steps": args.async_steps}
     with tempfile.TemporaryDirectory(prefix="scale-workers-") as tmp:
@@ -490,8 +486,7 @@ def sync_models(args: argparse.Namespace, section: str) -> Iterator[tuple[dict[s
     has filled it), and ``made``, its (path, model, tokenizer)."""
     import ray
 
-    from turnrl.models import load_tokenizer
-    from turnrl.models.tiny import TinyModelConfig, build_tiny_model
+    from turnrl.models import TinyModelConfig, build_tiny_model, load_tokenizer
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
@@ -514,8 +509,8 @@ def sync_models(args: argparse.Namespace, section: str) -> Iterator[tuple[dict[s
 def workers_spec(n: int, weight_sync: str, made: Any, *more: str) -> Any:
     """The ``WorkersSpec`` of ``n`` one-thread workers synced by ``weight_sync`` for a
     model ``sync_models`` made (``more``: the run's other settings)."""
-    from turnrl.envs import make_env_spec
-    from turnrl.trainer.config import load_config, resolved
+    from turnrl import load_config, make_env_spec
+    from turnrl.trainer.config import resolved
     from turnrl.trainer.loop import WorkersSpec
 
     path, model, tokenizer = made

@@ -37,8 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from outputs import parse_args
-from turnrl.tools import McpServer, PythonInterpreter, Sandbox, SandboxUnavailableError
-from turnrl.tools.search import SearchIndex
+from turnrl.tools import (
+    McpServer,
+    PythonInterpreter,
+    Sandbox,
+    SandboxUnavailableError,
+    SearchIndex,
+)
 
 ROOT = Path(__file__).resolve().parent
 MCP_SERVER = ROOT.parent / "tests" / "mcp_server.py"

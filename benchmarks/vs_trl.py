@@ -106,22 +106,21 @@ def checkpoints(work: Path, extra: Sequence[str] = ()) -> dict[str, Path]:
     """The random tiny model (single) and the learning proof's warm-up checkpoint (multi:
     its recipe's echo tuning and warm-up); ``extra``: overrides of both (--smoke's tiny run)."""
     from presets import warmup_checkpoint
-    from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import train
+    from turnrl import load_config, train
 
     random_dir = work / "random-model"
     start = random_dir / "start_model"
     if not (start / "config.json").is_file():
         shutil.rmtree(random_dir, ignore_errors=True)
         overrides = [*extra, "steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
-        train(load_config("learning_proof", overrides), random_dir, progress=False)
+        train(load_config("learning_proof", overrides), out=random_dir, progress=False)
     echo_steps = load_config("learning_proof", list(extra)).model.echo_steps
     return {"single": start, "multi": warmup_checkpoint(work, 0, echo_steps, extra)}
 
 
 def write_tasks(path: Path, count: int) -> None:
     """The secret-lookup tasks both sides read, in order (prompt messages, answer, table)."""
-    from turnrl.envs import make_env_spec
+    from turnrl import make_env_spec
 
     spec = make_env_spec("secret_lookup", **ENV_OPTIONS)
     with path.open("w") as f:
@@ -140,8 +139,7 @@ def write_tasks(path: Path, count: int) -> None:
 
 def turnrl_side(spec: dict[str, Any], out: Path) -> None:
     """GRPO steps through ``turnrl.trainer.loop.train`` (the path ``turnrl train`` runs)."""
-    from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import train
+    from turnrl import load_config, train
 
     multi = spec["case"] == "multi"
     steps = spec["warmup_steps"] + spec["steps"]
@@ -161,7 +159,7 @@ def turnrl_side(spec: dict[str, Any], out: Path) -> None:
     ]  # fmt: skip
     run_dir = Path(spec["out_dir"])
     shutil.rmtree(run_dir, ignore_errors=True)
-    result = train(load_config("quickstart", overrides), run_dir, progress=False)
+    result = train(load_config("quickstart", overrides), out=run_dir, progress=False)
     rows = [r for r in result.rows if "perf/step_s" in r][spec["warmup_steps"] :]
     shapes = _shapes(run_dir / "trajectories.jsonl", spec["warmup_steps"])
     json.dump(

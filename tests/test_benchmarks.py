@@ -152,8 +152,9 @@ def presets(data: dict[str, Any], tmp: Path) -> None:
 
 def reliability(data: dict[str, Any], tmp: Path) -> None:
     killed = data["kills"]
-    assert sorted(k["aimed_at"] for k in killed["kills"]) == ["checkpoint", "learner", "rollout"]
-    assert all(k["killed"] for k in killed["kills"])
+    assert [k["attempt"] for k in killed["kills"]] == [0, 1]
+    assert all(k["killed"] for k in killed["kills"]), killed["kills"]
+    assert killed["kills"][0]["resumed_from"] is None
     assert killed["metrics_equal"]
     assert killed["files_one_record_per_step"] == dict.fromkeys(
         ["metrics.jsonl", "trajectories.jsonl", "alarms.jsonl", "tensorboard"], True
@@ -165,29 +166,8 @@ def reliability(data: dict[str, Any], tmp: Path) -> None:
     assert all(fell_back["files_one_record_per_step"].values())
     assert none_left["returncode"] == 2
     assert "no usable checkpoint" in none_left["named"][-1]
-    load = data["load"]
-    assert (load["episodes_in"], load["episodes_out"], load["episodes_lost"]) == (100, 100, 0)
-    assert (load["hung"], load["num_records_wrong"], load["tool_calls_unrecorded"]) == ([], 0, 0)
-    assert set(load["tool_errors"]) <= {"RuntimeError", "timeout"}
-    assert load["peak_rss_mb"] > 0
-    fuzz = data["fuzz"]
-    assert len(fuzz) == 13
-    assert all(r["inputs"] == 100 for r in fuzz.values())
-    assert all(r["uncaught"] == 0 for name, r in fuzz.items() if name != "run files: read_rows")
-    for case in data["disk"]:  # a tmpfs needs root; without one the row says why
-        if case["mounted"]:
-            assert case["resume_returncode"] == 0
-            assert case["resumed_from"] == 2
-            assert case["metrics_equal"]
-            assert all(not problems for problems in case["checkpoint_problems"].values())
-        else:
-            assert case["why"]
-    if data["disk"][0]["mounted"]:
-        assert data["disk"][0]["returncode"] == 2
-        assert "could not write checkpoint step_000004" in data["disk"][0]["message"]
-    attacks = data["hostile"]["attacks"]  # the smoke's two; test_sandbox_hostile judges all
-    assert [a["attack"] for a in attacks] == ["ptrace", "forged result (thread)"]
-    assert {a["verdict"] for a in attacks} <= {"contained", "not run"}
+    # the fault injection that reaches inside (aimed kills, a full disk, load, fuzzing,
+    # hostile code) is tests/test_fault_injection.py's, test_fuzz.py's, test_sandbox_hostile.py's
 
 
 def rollout(data: dict[str, Any], tmp: Path) -> None:

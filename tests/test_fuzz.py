@@ -1,26 +1,22 @@
 """Random and adversarial inputs into every parser, validator and loader of user text
-(the fuzz section of benchmarks/reliability.py, a few hundred inputs per target): parsers
+(tests/fuzzing.py's targets, a few hundred inputs per target; 10,000 in the ``slow`` test): parsers
 return a ParsedAction, the others raise only their documented errors, with a message.
 Then each crash the fuzzer found once, pinned."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+import fuzzing
 from turnrl.errors import ConfigError, ToolDefinitionError
 from turnrl.jsonl import read_jsonl_lines
 from turnrl.tools import Tool
 from turnrl.trainer.config import load_config
 from turnrl.trainer.sinks import trim_run_files
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import reliability
-
-TARGETS = list(reliability.fuzz_targets(Path("unused")))
+TARGETS = list(fuzzing.fuzz_targets(Path("unused")))
 KNOWN: dict[str, str] = {}
 """Targets with a crash found and not yet fixed; strict, so a fix makes the test fail."""
 
@@ -31,11 +27,21 @@ KNOWN: dict[str, str] = {}
      for n in TARGETS],
 )  # fmt: skip
 def test_no_uncaught_exception(name: str, tmp_path: Path) -> None:
-    strategy, check, allowed, _ = reliability.fuzz_targets(tmp_path)[name]
-    found = reliability.fuzz_target(
-        strategy, check, allowed, examples=200, seed=TARGETS.index(name)
-    )
+    strategy, check, allowed, _ = fuzzing.fuzz_targets(tmp_path)[name]
+    found = fuzzing.fuzz_target(strategy, check, allowed, examples=200, seed=TARGETS.index(name))
     assert found["inputs"] == 200
+    assert not found["crashes"], found["crashes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TARGETS)
+def test_no_uncaught_exception_in_ten_thousand_inputs(name: str, tmp_path: Path) -> None:
+    """The long run (about 8 minutes for every target, measured on 2 cores): 10,000 inputs each,
+    seeded by the target's number."""
+    strategy, check, allowed, _ = fuzzing.fuzz_targets(tmp_path)[name]
+    found = fuzzing.fuzz_target(strategy, check, allowed, examples=10_000, seed=TARGETS.index(name))
+    assert found["inputs"] == 10_000
+    assert found["uncaught"] == 0, found["crashes"]
     assert not found["crashes"], found["crashes"]
 
 
@@ -43,7 +49,7 @@ def test_a_deeply_nested_argument_is_described_not_raised() -> None:
     def echo(items: list[int]) -> str:
         return str(items)
 
-    problem = Tool.from_function(echo).validate({"items": reliability.DeepList(), "x": 1})
+    problem = Tool.from_function(echo).validate({"items": fuzzing.DeepList(), "x": 1})
     assert problem is not None
     assert "nested too deeply" in problem
 

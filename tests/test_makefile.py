@@ -32,7 +32,7 @@ def test_make_test_runs_the_checks_the_suite_and_the_vllm_tests() -> None:
         "lint-imports",
         "mypy",
         "vs_trl.py --setup-only",
-        '-m "not learning and not serial"',
+        '-m "not learning and not serial and not slow"',
         '-m "learning or serial"',
         "nice -n 19 .venv/bin/mypy",  # beside the suite
         "ATEN_CPU_CAPABILITY=default .venv/bin/pytest",  # a CPU unlike this one, simulated

@@ -1,4 +1,4 @@
-"""The hostile suite (``turnrl.tools.hostile``) inside the real bubblewrap sandbox: each class
+"""The hostile suite (tests/hostile.py) inside the real bubblewrap sandbox: each class
 of attack is run and must be contained. Where this machine lacks the mechanism that stops
 one (no cgroup delegation, no tmpfs mounts), the case is an expected failure naming what is
 missing. Also: the pieces the suite rests on (the syscall filter's program, the deep-tree
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from hostile import ATTACKS, Attack, run_attack, ticks_used
 from turnrl.tools import PythonInterpreter, Sandbox, SandboxLimits, SandboxUnavailableError
 from turnrl.tools import python_tool as make_python_tool
 from turnrl.tools import sandbox as sandbox_module
-from turnrl.tools.hostile import ATTACKS, Attack, run_attack, ticks_used
 from turnrl.tools.sandbox import remove_tree
 from turnrl.tools.seccomp import ABIS, RET_ALLOW, RET_KILL_PROCESS, syscall_filter
 

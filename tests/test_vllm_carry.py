@@ -1,4 +1,4 @@
-"""requirements/vllm_carry.py's parts protocol: an archive split here, the parts arriving
+"""dev/vllm_carry.py's parts protocol: an archive split here, the parts arriving
 one call at a time there, unpacked only once all have come whole."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "requirements" / "vllm_carry.py"
+SCRIPT = ROOT / "dev" / "vllm_carry.py"
 spec = importlib.util.spec_from_file_location("vllm_carry", SCRIPT)
 assert spec is not None
 assert spec.loader is not None

@@ -1,11 +1,11 @@
 """Carry vLLM to the lent GPU machine, which has none and cannot reach a package index.
 
-That machine (the device tool's nvidia kinds; see benchmarks/gpu_vllm_checks.sh) runs
+That machine (the device tool's nvidia kinds; see dev/gpu_vllm_checks.sh) runs
 Python 3.12 with torch 2.11.0+cu130 and takes at most 64 MiB of files a call, where vLLM's
-CUDA wheel alone is 290 MiB. So the set of requirements/vllm-gpu.txt is packed here and
+CUDA wheel alone is 290 MiB. So the set of dev/vllm-gpu.txt is packed here and
 sent in parts, one part a call, calls back to back while the machine stays warm:
 
-- ``pack`` (here): installs requirements/vllm-gpu.txt for CPython 3.12 on x86-64 into a
+- ``pack`` (here): installs dev/vllm-gpu.txt for CPython 3.12 on x86-64 into a
   folder, leaves out the parts of vLLM that a dense model on a Hopper GPU does not load
   (``STRIP``), packs the folder as one .tar.xz and splits it into parts of at most
   ``--part-mib`` MiB, each in a folder of its own under ``--out`` (.carry/vllm-1, ...),
@@ -21,9 +21,9 @@ sent in parts, one part a call, calls back to back while the machine stays warm:
   turnrl's own needs (``OWN``); vLLM's CUDA kernels are replaced by an empty module,
   since they need a GPU driver to load. A missing package fails it.
 
-    python3 requirements/vllm_carry.py pack
-    python3 requirements/vllm_carry.py check-imports --python /path/to/python3.12
-    python3 requirements/vllm_carry.py receive          # on the lent machine, every call
+    python3 dev/vllm_carry.py pack
+    python3 dev/vllm_carry.py check-imports --python /path/to/python3.12
+    python3 dev/vllm_carry.py receive          # on the lent machine, every call
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIREMENTS = ROOT / "requirements" / "vllm-gpu.txt"
+REQUIREMENTS = ROOT / "dev" / "vllm-gpu.txt"
 PLATFORMS = [
     "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
     "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
@@ -78,7 +78,7 @@ PYTHON = (3, 12)
 TORCH = "2.11.0"
 """The lent machine's Python and torch, which the packed site is built for: vLLM's kernels
 are compiled against this torch, and the site's extensions for this Python."""
-RECEIVE = "python3 requirements/vllm_carry.py receive"
+RECEIVE = "python3 dev/vllm_carry.py receive"
 ARCHIVE = "vllm-gpu.tar.xz"
 MANIFEST = "manifest.json"
 
@@ -151,10 +151,10 @@ def pack(args: argparse.Namespace) -> None:
     for k, part in enumerate(parts, 1):
         carry = [os.path.relpath(part.parent, ROOT)]
         last = k == len(parts)
-        command = "bash benchmarks/gpu_vllm_checks.sh" if last else RECEIVE
+        command = "bash dev/gpu_vllm_checks.sh" if last else RECEIVE
         print(f"  {k}. carry {carry}: {command}")
     for k, checks in enumerate(("learn", "async"), len(parts) + 1):
-        print(f"  {k}. nothing carried: CHECKS={checks} bash benchmarks/gpu_vllm_checks.sh")
+        print(f"  {k}. nothing carried: CHECKS={checks} bash dev/gpu_vllm_checks.sh")
 
 
 # --------------------------------------------------------------------------- receive
@@ -197,7 +197,7 @@ def machine_problem(python: tuple[int, int], torch: str | None) -> str | None:
         return (
             f"the parts are built for Python {'.'.join(map(str, PYTHON))} and torch {TORCH} "
             f"(vLLM's kernels are compiled against it); this machine has {have}: pack a vLLM "
-            "that pins this torch (requirements/vllm-gpu.txt says how the list was made)"
+            "that pins this torch (dev/vllm-gpu.txt says how the list was made)"
         )
     return None
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The vLLM checks a lent GPU machine runs (the device tool's `run`, from the repo root).
 # That machine has no vLLM and no package index, so vLLM comes in parts
-# (requirements/vllm_carry.py pack, here, makes .carry/vllm-1 ... vllm-N): one `run` call per
+# (dev/vllm_carry.py pack, here, makes .carry/vllm-1 ... vllm-N): one `run` call per
 # part, back to back while the machine stays warm, each carrying its part. The calls before
-# the last run `python3 requirements/vllm_carry.py receive`; the last runs this script, which
+# the last run `python3 dev/vllm_carry.py receive`; the last runs this script, which
 # receives its part, unpacks them all, then runs the checks named in CHECKS (default
 # "sleep backends workers", which fit one call's 600 s; "learn" takes a call of its own, a
 # later one while the machine is warm, when the unpacked parts are still there):
@@ -26,7 +26,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_vllm_checks}
 CHECKS=${CHECKS:-sleep backends workers}
 mkdir -p "$OUT"
-python3 requirements/vllm_carry.py receive >"$OUT/receive.log" 2>&1
+python3 dev/vllm_carry.py receive >"$OUT/receive.log" 2>&1
 status=$?
 cat "$OUT/receive.log"
 [ "$status" -eq 0 ] || exit "$status"

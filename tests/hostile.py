@@ -3,9 +3,9 @@
 What lives here: ``ATTACKS`` (each a few calls of code an episode could send, and what
 "contained" means for it) and ``run_attack``, which runs one through a ``PythonInterpreter``
 and returns ``contained``, ``escaped`` or ``not enforceable`` (it escaped, and this machine
-lacks the mechanism that stops it: no control groups, say). The tests
-(tests/test_sandbox_hostile.py) and the reliability benchmark run the same attacks.
-What does not: the isolation itself (``turnrl.tools.sandbox``).
+lacks the mechanism that stops it: no control groups, say). tests/test_sandbox_hostile.py
+runs every attack (as root) and judges it. Test code only: the isolation itself is
+``turnrl.tools.sandbox``.
 
 Safety: the attack code runs only after the interpreter has shown it runs as the slot's
 dedicated non-root uid (which needs root here); otherwise ``run_attack`` refuses.
