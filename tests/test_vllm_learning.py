@@ -87,7 +87,7 @@ def test_the_probe_learns_with_vllm_on_two_rollout_workers_and_two_learner_ranks
 def test_the_probe_learns_with_a_vllm_worker_and_an_nccl_rank_on_the_gpu(
     tmp_path: Path,
 ) -> None:
-    """The same run on one GPU (benchmarks/gpu_vllm_checks.sh, ``CHECKS=learn``): one Ray
+    """The same run on one GPU (dev/gpu_vllm_checks.sh, ``CHECKS=learn``): one Ray
     rollout worker whose vLLM engine (float32, sleep mode) has the GPU, one learner rank
     over NCCL on it too. Prints the figures for the note before the assertions, so that a
     failing run still reports them. The bounds are the CUDA ones of
