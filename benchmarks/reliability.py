@@ -3,8 +3,9 @@ at random moments and resumed after each kill, against the same run uninterrupte
 resumes past damaged checkpoints.
 
 Kills: every attempt is ``turnrl train`` in its own process (``python -m turnrl.cli``),
-killed a random delay (up to two of the uninterrupted run's mean step times, ``--seed``)
-after it has written its first new metrics row; where it was is read from the run
+killed at a random moment (``--seed``): within half of the uninterrupted run's mean step
+after a metrics row chosen at random (past the ones already written, short of the last);
+where it was is read from the run
 directory at that moment (metrics rows written, checkpoints, a checkpoint being written).
 After the last kill the run is resumed to its end and compared with the uninterrupted one:
 the metrics (all but timings; ``train/logprob_mismatch`` to 1e-9), and whether every run
@@ -72,14 +73,12 @@ def rows_written(run: Path) -> int:
     return path.read_bytes().count(b"\n") if path.is_file() else 0
 
 
-def kill_in(
-    proc: subprocess.Popen[str], run: Path, rows_before: int, delay_s: float
-) -> dict[str, Any]:
-    """SIGKILL ``proc`` ``delay_s`` after it has written a metrics row past ``rows_before``;
-    what its run directory held at that moment."""
+def kill_in(proc: subprocess.Popen[str], run: Path, rows: int, delay_s: float) -> dict[str, Any]:
+    """SIGKILL ``proc`` ``delay_s`` after its metrics.jsonl has ``rows`` rows; what its run
+    directory held at that moment."""
     at: dict[str, Any] = {}
     while proc.poll() is None:
-        if rows_written(run) > rows_before:
+        if rows_written(run) >= rows:
             time.sleep(delay_s)
             at = {"rows_at_kill": rows_written(run),
                   "writing_checkpoint": any((run / "checkpoints").glob(".tmp-step_*")),
@@ -201,13 +200,17 @@ def kills(
         before, rows_before = checkpoint_step(run), rows_written(run)
         if rows_before >= args.steps:  # the run has finished
             break
-        delay = rng.random() * 2 * step_s
+        # after a row chosen at random, short of the last (a step's time is too uneven to
+        # aim by the clock alone: a run of sub-second steps could finish first), then within
+        # half a step: during the next step's rollout, update or checkpoint
+        rows = rows_before + 1 + rng.randrange(max(1, args.steps - rows_before - 1))
+        delay = rng.random() * step_s / 2
         proc = start(run, options, resume=attempt > 0)
         t0 = time.perf_counter()
-        result = kill_in(proc, run, rows_before, delay)
+        result = kill_in(proc, run, rows, delay)
         output = result.pop("output")
         events_log.append({
-            "attempt": attempt, "delay_ms": round(delay * 1000, 1),
+            "attempt": attempt, "after_rows": rows, "delay_ms": round(delay * 1000, 1),
             "resumed_from": resumed_from(output, before) if attempt else None,
             "dropped_at_resume": dropped_lines(output),
             "checkpoint_after": checkpoint_step(run), "wall_s": round(time.perf_counter() - t0, 1),
@@ -295,7 +298,7 @@ def yes(ok: bool) -> str:
 
 
 def kill_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| attempt | delay after its first new row | metrics rows at the kill | "
+    lines = ["| attempt | delay after row | metrics rows at the kill | "
              "writing a checkpoint | resumed after step | newest checkpoint after | "
              "records dropped as it resumed |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -303,7 +306,7 @@ def kill_table(rows: list[dict[str, Any]]) -> str:
         rows_at = r["rows_at_kill"] if r["killed"] else "not killed"
         writing = ("yes" if r["writing_checkpoint"] else "no") if r["killed"] else "-"
         lines.append(
-            f"| {r['attempt']} | {r['delay_ms']} ms | {rows_at} | {writing} | "
+            f"| {r['attempt']} | {r['delay_ms']} ms after {r['after_rows']} | {rows_at} | {writing} | "
             f"{'start' if r['resumed_from'] is None else r['resumed_from']} | "
             f"{r['checkpoint_after'] or 'none'} | {dropped_counts(r['dropped_at_resume'])} |"
         )
@@ -398,8 +401,9 @@ def kills_md(
         f"{args.save_every} steps), killed with SIGKILL {len(killed['kills'])} times "
         f"({args.kills} asked; seed {args.seed}) and resumed after each kill, against the same "
         "run uninterrupted, through `turnrl train` alone. Each attempt is killed a random "
-        f"delay (up to twice the mean step, {meta['step_mean_s'] * 1000:.0f} ms) after it "
-        'wrote its first new metrics row. "start": no checkpoint yet, the attempt starts '
+        f"delay (up to half the mean step, {meta['step_mean_s'] * 1000:.0f} ms) after a "
+        'metrics row chosen at random, short of the last. "start": no checkpoint yet, the '
+        "attempt starts "
         "over; the records dropped are what the attempt before wrote after its checkpoint "
         "(and any torn record).",
         "",
