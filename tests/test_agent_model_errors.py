@@ -200,3 +200,36 @@ def _collect(
         )  # fmt: skip
     finally:
         environment.close()
+
+
+def test_train_takes_the_agent_s_own_model_errors_and_their_reward(tmp_path: Path) -> None:
+    """``turnrl.train(agent=..., model_errors=..., model_error_reward=...)``: what
+    ``AgentEnvironment`` takes, from the one call. Every episode here ends in the agent's
+    own error once its model has replied (a turn cut at the token limit ends the episode
+    first), so each is counted under its type and paid the partial credit."""
+
+    class AnsweredBlind(Exception):
+        pass
+
+    async def never_satisfied(task: Task, client: openai.AsyncOpenAI) -> str:
+        await client.chat.completions.create(model="p", messages=list(task.prompt))
+        raise AnsweredBlind("no lookup")
+
+    def partial(task: Task, error: BaseException, transcript: list[dict[str, Any]]) -> float:
+        return 0.5 if isinstance(error, AnsweredBlind) else 0.0
+
+    result = turnrl.train(
+        "grpo", agent=never_satisfied, tasks=PROBE.task, reward=exact, out=tmp_path / "run",
+        overrides=[*SMALL_RUN, "warmup.steps=100", "warmup.batch_size=16"], progress=False,
+        model_errors=(AnsweredBlind,), model_error_reward=partial,
+    )  # fmt: skip
+    trained = [r for r in result.rows if "loss/policy" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    for row in trained:  # 2 prompts x 2: each episode errs, unless its one turn was cut
+        answered = 4 * (1 - row["rollout/truncated_frac"])
+        assert row["rollout/agent_model_errors/AnsweredBlind"] == answered
+        assert row["rollout/reward_mean"] == 0.5 * answered / 4
+        assert row["rollout/errors"] == 0
+    assert sum(r["rollout/agent_model_errors"] for r in trained) > 0
+    with pytest.raises(turnrl.ConfigError, match=r"model_errors= .* go with agent="):
+        turnrl.train(env="secret_lookup", model_errors=(AnsweredBlind,))

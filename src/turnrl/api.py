@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.envs import make_env_spec
-from turnrl.envs.agent import Agent, AgentEnvironment, Reward
+from turnrl.envs.agent import Agent, AgentEnvironment, ModelErrors, Reward
 from turnrl.envs.custom import as_environment
 from turnrl.errors import ConfigError
 from turnrl.trainer.config import Config, EnvConfig, load_config
@@ -28,6 +28,8 @@ def train(
     agent: Agent | None = None,
     tasks: Any = None,
     reward: Reward | None = None,
+    model_errors: ModelErrors = (),
+    model_error_reward: Reward | None = None,
     out: str | Path | None = None,
     overrides: Sequence[str] = (),
     resume: bool = False,
@@ -44,7 +46,10 @@ def train(
     an existing ``agent`` (``async def agent(task, client)``, see ``turnrl.AgentEnvironment``)
     with its ``tasks`` and ``reward(task, answer, transcript)``: the agent's model calls are
     served by the policy through an OpenAI-compatible endpoint and trained on, token-exact,
-    in the model family's call format. Returns every metrics row and alarm of the run.
+    in the model family's call format. ``model_errors`` and ``model_error_reward`` go to
+    ``turnrl.AgentEnvironment``: exceptions that are the model's mistakes (beside the
+    frameworks' own, which are known already) and the reward such an episode gets. Returns
+    every metrics row and alarm of the run.
 
     ``cluster.learner_ranks >= 1`` runs the learner as a group of that many processes, and
     ``cluster.rollout_workers >= 1`` the episodes on that many Ray actors
@@ -62,13 +67,19 @@ def train(
             raise ConfigError("give env or agent (with tasks and reward), not both")
         if tasks is None or reward is None:
             raise ConfigError("an agent needs tasks= and reward=(task, answer, transcript)")
-        env = AgentEnvironment(agent, tasks, reward, format=_family_format(config))
+        env = AgentEnvironment(
+            agent, tasks, reward, format=_family_format(config), model_errors=model_errors,
+            model_error_reward=model_error_reward,
+        )  # fmt: skip
         try:
             return train(config, env=env, out=out, resume=resume, progress=progress, on_row=on_row)
         finally:
             env.close()
-    elif tasks is not None or reward is not None:
-        raise ConfigError("tasks= and reward= go with agent=; an environment has its own")
+    elif tasks is not None or reward is not None or model_errors or model_error_reward:
+        raise ConfigError(
+            "tasks=, reward=, model_errors= and model_error_reward= go with agent=; an "
+            "environment has its own"
+        )
     if isinstance(env, str):
         config = dataclasses.replace(config, env=EnvConfig(name=env))
         spec = make_env_spec(env)
