@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from turnrl.errors import ConfigError
@@ -154,3 +155,60 @@ def test_the_summary_names_each_distinct_error_and_what_to_do() -> None:
     assert "--enable-auto-tool-choice --tool-call-parser hermes" in text.split("64x")[1]
     assert "2x TimeoutError: timed out" in text
     assert "lower --concurrency" in text
+
+
+def test_the_server_speaks_the_responses_api_and_streams_both(endpoint: str) -> None:
+    """The real ``openai`` client against ``turnrl serve``: a Responses request samples
+    what the chat completion of the same conversation samples (the same seed), a later
+    request continues it by ``previous_response_id``, function-call items are taken as
+    input, and ``stream=True`` of either API carries the very text of the reply."""
+    client = openai.OpenAI(base_url=endpoint, api_key="none", max_retries=0, timeout=120)
+    question = "What is the value of alpha?"
+    chat = client.chat.completions.create(
+        model="model", max_tokens=8, seed=3,
+        messages=[{"role": "system", "content": "Answer."}, {"role": "user", "content": question}],
+    )  # fmt: skip
+    text = chat.choices[0].message.content
+    seed = {"seed": 3}  # not a Responses parameter of OpenAI's; turnrl serve takes it
+    response = client.responses.create(
+        model="model", instructions="Answer.", input=question, max_output_tokens=8,
+        extra_body=seed,
+    )  # fmt: skip
+    assert response.output_text == text
+    assert 1 <= response.usage.output_tokens <= 8
+    later = client.responses.create(
+        model="model", previous_response_id=response.id, input="And beta?",
+        max_output_tokens=4,
+    )  # fmt: skip
+    assert later.previous_response_id == response.id
+    assert later.usage.input_tokens > response.usage.input_tokens  # the history came first
+    with pytest.raises(openai.BadRequestError, match="is not one of this server's"):
+        client.responses.create(model="model", previous_response_id="resp_0", input="x")
+    called = client.responses.create(
+        model="model", max_output_tokens=4,
+        input=[
+            {"role": "user", "content": question},
+            {"type": "function_call", "call_id": "c1", "name": "lookup",
+             "arguments": '{"key": "alpha"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "cat"},
+        ],
+    )  # fmt: skip
+    assert called.status == "completed"
+
+    stream = client.chat.completions.create(
+        model="model", max_tokens=8, seed=3, stream=True,
+        messages=[{"role": "system", "content": "Answer."}, {"role": "user", "content": question}],
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason is not None
+    events = list(
+        client.responses.create(
+            model="model", instructions="Answer.", input=question, max_output_tokens=8,
+            extra_body=seed, stream=True,
+        )
+    )  # fmt: skip
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == text
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == text

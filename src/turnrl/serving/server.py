@@ -1,11 +1,16 @@
 """``turnrl serve``: a local model behind a minimal OpenAI-compatible HTTP API.
 
 Enough of the API for ``turnrl eval --endpoint`` and for other OpenAI clients to talk to a
-checkpoint: ``GET /v1/models`` and ``POST /v1/chat/completions`` (``messages``, ``tools``,
-``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``; one choice). The
-conversation is rendered by the checkpoint's own chat template (tools included) and sampled
-by the torch backend; the reply's content is the raw text the model wrote, tool-call markup
-included (no server-side tool parsing: the environment's call format parses it).
+checkpoint: ``GET /v1/models``, ``POST /v1/chat/completions`` (``messages``, ``tools``,
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``; one choice) and ``POST
+/v1/responses`` (the Responses API: ``instructions``, ``input`` messages and function-call
+items, function ``tools``, ``max_output_tokens``, ``previous_response_id`` for the server's
+last ``RESPONSES_KEPT`` responses), each with ``stream: true`` as server-sent events (sent
+when the reply is sampled, carrying the same text). The Responses shapes are translated by
+``turnrl.envs.openai_api``, as on the training endpoint. The conversation is rendered by
+the checkpoint's own chat template (tools included) and sampled by the torch backend; the
+reply's content is the raw text the model wrote, tool-call markup included (no
+server-side tool parsing: the environment's call format parses it).
 
 Requests are served one at a time (a lock around sampling): this is a correctness tool
 for evaluation and tests, not a throughput server; use vLLM for that.
@@ -22,12 +27,23 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.backends.torch_backend import TorchBackend
+from turnrl.envs.openai_api import (
+    chat_chunks,
+    chat_request,
+    check_responses_request,
+    conversation,
+    response_events,
+    response_object,
+    server_sent_events,
+)
 from turnrl.errors import TemplateError
 from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.types import GenerationRequest
 
 MAX_BODY = 8 << 20
+RESPONSES_KEPT = 1024
+"""Responses a later request may continue by ``previous_response_id`` (the oldest go)."""
 
 
 class ChatService:
@@ -42,6 +58,34 @@ class ChatService:
         self.stops = stop_token_ids(self.tokenizer)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self._lock = threading.Lock()
+        self._responses: dict[str, list[dict[str, Any]]] = {}  # id -> its conversation
+
+    def respond(self, body: Any) -> dict[str, Any]:
+        """One Responses-API response; raises ``ValueError`` for a malformed request."""
+        check_responses_request(body)  # its RequestError is a ValueError
+        earlier: list[dict[str, Any]] = []
+        if (previous := body.get("previous_response_id")) is not None:
+            with self._lock:
+                found = self._responses.get(previous)
+            if found is None:
+                raise ValueError(
+                    f"previous_response_id {previous!r} is not one of this server's last "
+                    f"{RESPONSES_KEPT} responses"
+                )
+            earlier = found
+        messages = conversation(body, earlier)
+        chat = chat_request(body, messages)
+        for key in ("temperature", "top_p", "seed"):
+            if body.get(key) is not None:
+                chat[key] = body[key]
+        if body.get("max_output_tokens") is not None:
+            chat["max_tokens"] = body["max_output_tokens"]
+        response = response_object(self.complete(chat), body)
+        with self._lock:
+            self._responses[response["id"]] = [*messages, response_message(response)]
+            while len(self._responses) > RESPONSES_KEPT:
+                del self._responses[next(iter(self._responses))]
+        return response
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """One chat completion; raises ``ValueError`` for a malformed request."""
@@ -51,7 +95,8 @@ class ChatService:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ValueError("each message needs a string 'role'")
-            if not isinstance(m.get("content", ""), str):
+            content = m.get("content", "")
+            if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
                 raise ValueError("message 'content' must be a string")
         tools = body.get("tools") or ()
         stop = body.get("stop") or ()
@@ -99,6 +144,16 @@ class ChatService:
         }  # fmt: skip
 
 
+def response_message(response: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message a response's output stands for (its text; the server parses
+    no tool calls, so there are none)."""
+    text = "".join(
+        part["text"] for item in response["output"] if item["type"] == "message"
+        for part in item["content"]
+    )  # fmt: skip
+    return {"role": "assistant", "content": text}
+
+
 def make_server(
     service: ChatService, host: str = "127.0.0.1", port: int = 8000
 ) -> ThreadingHTTPServer:
@@ -116,6 +171,14 @@ def make_server(
             self.end_headers()
             self.wfile.write(data)
 
+        def _stream(self, data: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def _error(self, status: int, message: str) -> None:
             self._send(status, {"error": {"message": message, "type": "invalid_request_error"}})
 
@@ -129,7 +192,8 @@ def make_server(
                 self._error(404, f"no route {self.path}")
 
         def do_POST(self) -> None:
-            if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
+            route = self.path.rstrip("/").removeprefix("/v1")
+            if route not in ("/chat/completions", "/responses"):
                 self._error(404, f"no route {self.path}")
                 return
             length = int(self.headers.get("Content-Length") or 0)
@@ -140,9 +204,21 @@ def make_server(
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if not isinstance(body, dict):
                     raise ValueError("the body must be a JSON object")
-                if body.get("stream"):
-                    raise ValueError("streaming is not supported")
-                self._send(200, service.complete(body))
+                if route == "/responses":
+                    response = service.respond(body)
+                    if not body.get("stream"):
+                        self._send(200, response)
+                        return
+                    events = response_events(response)
+                    self._stream(server_sent_events(events, named=True, done=False))
+                    return
+                completion = service.complete(body)
+                if not body.get("stream"):
+                    self._send(200, completion)
+                    return
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                chunks = chat_chunks(completion, include_usage=usage)
+                self._stream(server_sent_events(chunks, named=False, done=True))
             except (ValueError, TypeError) as exc:
                 self._error(400, str(exc))
             except Exception as exc:  # the server stays up; the client learns why
