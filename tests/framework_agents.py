@@ -36,6 +36,27 @@ def task_with_key_other_than(probe: Any, key: str) -> Task:
     return next(t for t in map(probe.task, range(100)) if t.metadata["key"] != key)
 
 
+def check_one_token_exact_sample(
+    tokenizer: Any, traj: Trajectory, backend: ReadingBackend, endpoint: Any, task: Task,
+    framework: str,
+) -> None:  # fmt: skip
+    """A solved episode of two model calls, the second extending the first: one sample,
+    token-exact, the tool's schema in the first prompt and its reply in the second."""
+    assert traj.error is None, traj.info.get("traceback")
+    assert (traj.success, traj.reward, traj.stop_reason) == (True, 1.0, "answered")
+    assert [(c.name, c.ok) for c in traj.tool_calls] == [("lookup", True)]
+    assert (len(traj.turns), traj.context_rewrites) == (2, 0)
+    [sample] = traj.samples()  # the second request extends the first: one sample
+    assert list(sample.input_ids) == [*backend.requests[-1].prompt_ids, *traj.turns[-1].completion_ids]  # fmt: skip
+    sampled = [i for turn in traj.turns for i in turn.completion_ids]
+    assert [i for i, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m] == sampled
+    prompt = tokenizer.decode(list(backend.requests[0].prompt_ids))
+    assert '"name": "lookup"' in prompt, framework  # its tool schema, rendered by the template
+    second = tokenizer.decode(list(backend.requests[1].prompt_ids))
+    assert task.answer in second  # the tool ran: its reply reached the policy
+    assert endpoint.open_episodes == 0
+
+
 def play_a_batch(
     tokenizer: Any,
     example: dict[str, Any],

@@ -21,6 +21,7 @@ pytest.importorskip("langgraph")
 pytest.importorskip("langchain_openai")
 
 from framework_agents import (
+    check_one_token_exact_sample,
     example,
     play_a_batch,
     task_with_key_other_than,
@@ -48,19 +49,7 @@ def test_a_langgraph_episode_is_one_token_exact_sample(tokenizer: Any) -> None:
     task = task_with_key_other_than(PROBE, LOOPER)
     backend = ReadingBackend(tokenizer, policy)
     traj, endpoint = play_agent(tokenizer, EXAMPLE["agent"], backend, task=task, reward=EXAMPLE["reward"])  # fmt: skip
-    assert traj.error is None, traj.info.get("traceback")
-    assert (traj.success, traj.reward, traj.stop_reason) == (True, 1.0, "answered")
-    assert [(c.name, c.ok) for c in traj.tool_calls] == [("lookup", True)]
-    assert (len(traj.turns), traj.context_rewrites) == (2, 0)
-    [sample] = traj.samples()  # the graph's second request extends the first: one sample
-    assert list(sample.input_ids) == [*backend.requests[-1].prompt_ids, *traj.turns[-1].completion_ids]  # fmt: skip
-    sampled = [i for turn in traj.turns for i in turn.completion_ids]
-    assert [i for i, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m] == sampled
-    prompt = tokenizer.decode(list(backend.requests[0].prompt_ids))
-    assert '"name": "lookup"' in prompt  # LangChain's tool schema, rendered by the template
-    second = tokenizer.decode(list(backend.requests[1].prompt_ids))
-    assert task.answer in second  # the tool ran: its reply reached the policy
-    assert endpoint.open_episodes == 0
+    check_one_token_exact_sample(tokenizer, traj, backend, endpoint, task, "LangGraph")
 
 
 def test_a_graph_past_its_recursion_limit_is_a_failed_episode(tokenizer: Any) -> None:
