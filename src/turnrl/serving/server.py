@@ -80,9 +80,10 @@ class ChatService:
                 chat[key] = body[key]
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
-        response = response_object(self.complete(chat), body)
+        completion = self.complete(chat)
+        response = response_object(completion, body)
         with self._lock:
-            self._responses[response["id"]] = [*messages, response_message(response)]
+            self._responses[response["id"]] = [*messages, completion["choices"][0]["message"]]
             while len(self._responses) > RESPONSES_KEPT:
                 del self._responses[next(iter(self._responses))]
         return response
@@ -142,16 +143,6 @@ class ChatService:
                 "total_tokens": len(prompt) + len(completion.token_ids),
             },
         }  # fmt: skip
-
-
-def response_message(response: dict[str, Any]) -> dict[str, Any]:
-    """The assistant message a response's output stands for (its text; the server parses
-    no tool calls, so there are none)."""
-    text = "".join(
-        part["text"] for item in response["output"] if item["type"] == "message"
-        for part in item["content"]
-    )  # fmt: skip
-    return {"role": "assistant", "content": text}
 
 
 def make_server(
