@@ -4,7 +4,7 @@ resumes past damaged checkpoints.
 
 Kills: every attempt is ``turnrl train`` in its own process (``python -m turnrl.cli``),
 killed at a random moment (``--seed``): within half of the uninterrupted run's mean step
-after a metrics row chosen at random (past the ones already written, short of the last);
+after its first or second new metrics row (short of the last where it can be);
 where it was is read from the run
 directory at that moment (metrics rows written, checkpoints, a checkpoint being written).
 After the last kill the run is resumed to its end and compared with the uninterrupted one:
@@ -200,10 +200,11 @@ def kills(
         before, rows_before = checkpoint_step(run), rows_written(run)
         if rows_before >= args.steps:  # the run has finished
             break
-        # after a row chosen at random, short of the last (a step's time is too uneven to
-        # aim by the clock alone: a run of sub-second steps could finish first), then within
-        # half a step: during the next step's rollout, update or checkpoint
-        rows = rows_before + 1 + rng.randrange(max(1, args.steps - rows_before - 1))
+        # after its first or second new row (short of the last where it can be; a step's
+        # time is too uneven to aim by the clock alone: a run of sub-second steps could
+        # finish first), then within half a step: in the next step's rollout, update or
+        # checkpoint, so that the kills spread over the whole run
+        rows = min(rows_before + 1 + rng.randrange(2), max(rows_before + 1, args.steps - 1))
         delay = rng.random() * step_s / 2
         proc = start(run, options, resume=attempt > 0)
         t0 = time.perf_counter()
@@ -401,9 +402,8 @@ def kills_md(
         f"{args.save_every} steps), killed with SIGKILL {len(killed['kills'])} times "
         f"({args.kills} asked; seed {args.seed}) and resumed after each kill, against the same "
         "run uninterrupted, through `turnrl train` alone. Each attempt is killed a random "
-        f"delay (up to half the mean step, {meta['step_mean_s'] * 1000:.0f} ms) after a "
-        'metrics row chosen at random, short of the last. "start": no checkpoint yet, the '
-        "attempt starts "
+        f"delay (up to half the mean step, {meta['step_mean_s'] * 1000:.0f} ms) after its "
+        'first or second new metrics row. "start": no checkpoint yet, the attempt starts '
         "over; the records dropped are what the attempt before wrote after its checkpoint "
         "(and any torn record).",
         "",
