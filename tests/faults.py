@@ -304,7 +304,9 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
             await super().close()
 
     def make_env() -> TrackedEnv:
-        return TrackedEnv([flaky], hermes, lambda task, answer: float(answer.strip() == "done"))
+        return TrackedEnv(
+            [flaky], lambda task, answer: float(answer.strip() == "done"), format=hermes
+        )
 
     G = 4
     tasks = [

@@ -98,7 +98,7 @@ def test_the_terms_inside_episodes() -> None:
 
     def episode(turns: list[str]) -> Verdict:
         env = ToolEnv(
-            ToolSet([lookup]), hermes, lambda t, a: exact_match(a, str(t.answer)),
+            ToolSet([lookup]), lambda t, a: exact_match(a, str(t.answer)), format=hermes,
             reward=CompositeReward(format_weight=0.1, tool_weight=0.2),
         )  # fmt: skip
         ep = asyncio.run(play(env, task, replay(turns), seed=0, max_steps=6))

@@ -236,7 +236,7 @@ class HackableQA:
         return Task(f"{split}-{index}", ({"role": "user", "content": prompt},), str(a + b))
 
     def make_env(self) -> ToolEnv:
-        return ToolEnv(ToolSet([]), get_format("search_r1"), VERIFIERS[self.verifier])
+        return ToolEnv(ToolSet([]), VERIFIERS[self.verifier], format=get_format("search_r1"))
 
 
 @dataclass(frozen=True)

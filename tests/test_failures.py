@@ -72,7 +72,7 @@ class _BuggyVerifier(SecretLookup):
     name = "buggy_verifier"
 
     def make_env(self) -> ToolEnv:
-        return ToolEnv(self._tools, get_format("hermes"), _buggy_verify, max_tool_calls=4)
+        return ToolEnv(self._tools, _buggy_verify, format=get_format("hermes"), max_tool_calls=4)
 
 
 def _buggy_verify(task: Task, answer: str) -> Verdict:
@@ -94,7 +94,7 @@ class _BuggyTools(SecretLookup):
     name = "buggy_tools"
 
     def make_env(self) -> ToolEnv:
-        return ToolEnv(_buggy_tools, get_format("hermes"), _buggy_verify, max_tool_calls=4)
+        return ToolEnv(_buggy_tools, _buggy_verify, format=get_format("hermes"), max_tool_calls=4)
 
 
 def _buggy_tools(task: Task) -> ToolSet:

@@ -75,7 +75,9 @@ def lookup_env(fmt: Format, value: str = "cat") -> ToolEnv:
             raise LookupError(f"no key {key!r}")
         return value
 
-    return ToolEnv(ToolSet([Tool.from_function(lookup)]), fmt, lambda t, a: exact_match(a, "cat"))
+    return ToolEnv(
+        ToolSet([Tool.from_function(lookup)]), lambda t, a: exact_match(a, "cat"), format=fmt
+    )
 
 
 class FollowUp:

@@ -59,7 +59,9 @@ _SEARCH_TAG = re.compile(r"</?(search|answer|information)>")
 
 def _episode(fmt: Format, tool: Tool, turns: list[str]) -> list[Any]:
     """Reset a ToolEnv using ``fmt`` and play ``turns``; the opening messages and results."""
-    env = ToolEnv(ToolSet([tool]), fmt, lambda task, answer: exact_match(answer, task.answer))
+    env = ToolEnv(
+        ToolSet([tool]), lambda task, answer: exact_match(answer, task.answer), format=fmt
+    )
     task = Task(id="t", prompt=({"role": "user", "content": "q"},), answer="42")
 
     async def play() -> list[Any]:

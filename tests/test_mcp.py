@@ -93,7 +93,7 @@ def play(tokenizer: Any, env: ToolEnv, texts: list[str], max_turns: int = 6) -> 
 
 
 def mcp_env(server: McpServer) -> ToolEnv:
-    return ToolEnv(server.toolset, HERMES, lambda task, answer: exact_match(answer, "5"))
+    return ToolEnv(server.toolset, lambda task, answer: exact_match(answer, "5"), format=HERMES)
 
 
 def observations(traj: Trajectory) -> list[str]:

@@ -15,7 +15,7 @@ from turnrl.envs import SecretLookup
 
 PUBLIC = [
     "AgentEnvironment", "AgentProcesses", "Config", "ConfigError", "Environment", "EpisodeFailures", "EvalConfig", "Message",
-    "RunResult", "StepResult", "Task", "Tool", "ToolCall", "ToolEnv", "ToolSet", "Trajectory",
+    "RunResult", "StepResult", "Task", "TextEnv", "Tool", "ToolCall", "ToolEnv", "ToolSet", "Trajectory",
     "TurnrlError", "Verdict", "check_env", "evaluate", "get_format", "load_config",
     "make_env_spec", "tool", "train",
 ]  # fmt: skip

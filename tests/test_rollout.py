@@ -210,7 +210,9 @@ def test_a_format_stop_string_ends_the_turn_before_the_model_writes_an_observati
         return f"found {query}"
 
     fmt = get_format("search_r1")
-    env = ToolEnv(ToolSet([Tool.from_function(search)]), fmt, lambda t, a: exact_match(a, "cat"))
+    env = ToolEnv(
+        ToolSet([Tool.from_function(search)]), lambda t, a: exact_match(a, "cat"), format=fmt
+    )
     stops = stop_token_ids(tokenizer)
     backend = ScriptedBackend(
         tokenizer,

@@ -68,7 +68,7 @@ def test_calls_of_one_turn_run_concurrently(tokenizer: Any) -> None:
         started.set()
         return "second done"
 
-    env = ToolEnv(ToolSet([first, second]), HERMES, verifier)
+    env = ToolEnv(ToolSet([first, second]), verifier, format=HERMES)
     traj = play(tokenizer, env, [calls("first", "second"), "done"])
     assert [r.ok for r in traj.tool_calls] == [True, True]
     assert [r.name for r in traj.tool_calls] == ["first", "second"]  # in the order made
@@ -85,7 +85,7 @@ def test_a_per_turn_budget_refuses_the_extra_calls(tokenizer: Any) -> None:
         ran.append("ping")
         return "pong"
 
-    env = ToolEnv(ToolSet([ping]), HERMES, verifier, max_calls_per_turn=2, max_tool_calls=3)
+    env = ToolEnv(ToolSet([ping]), verifier, format=HERMES, max_calls_per_turn=2, max_tool_calls=3)
     traj = play(tokenizer, env, [calls("ping", "ping", "ping"), calls("ping", "ping"), "done"])
     assert len(ran) == 3  # 2 in turn one (the third refused), 1 in turn two (episode budget)
     assert [r.error for r in traj.tool_calls] == [None, None, "budget", None, "budget"]
@@ -104,7 +104,7 @@ def test_the_env_is_closed_once_however_the_episode_ends(tokenizer: Any) -> None
         """Ping."""
         return "pong"
 
-    env = ToolEnv(lambda _t: ToolSet([ping], on_close=[release]), HERMES, verifier)
+    env = ToolEnv(lambda _t: ToolSet([ping], on_close=[release]), verifier, format=HERMES)
     traj = play(tokenizer, env, [calls("ping"), "done"])
     assert traj.success
     assert closed == ["released"]
@@ -114,7 +114,9 @@ def test_the_env_is_closed_once_however_the_episode_ends(tokenizer: Any) -> None
     async def broken() -> None:
         raise OSError("sandbox already gone")
 
-    failing = ToolEnv(lambda _t: ToolSet([ping], on_close=[broken, release]), HERMES, verifier)
+    failing = ToolEnv(
+        lambda _t: ToolSet([ping], on_close=[broken, release]), verifier, format=HERMES
+    )
     traj = play(tokenizer, failing, ["done"])
     assert traj.success  # the episode's data stands
     assert traj.info["close_error"] == "OSError: sandbox already gone"
@@ -128,7 +130,7 @@ def test_call_records_say_whether_the_tool_isolates(tokenizer: Any) -> None:
 
     sandboxed = Tool.from_function(lambda: "ran", name="run_code", isolated=True,
                                    description="Run code.")  # fmt: skip
-    env = ToolEnv(ToolSet([plain, sandboxed]), HERMES, verifier)
+    env = ToolEnv(ToolSet([plain, sandboxed]), verifier, format=HERMES)
     traj = play(tokenizer, env, [calls("plain", "run_code", "nope"), "done"])
     assert [r.isolated for r in traj.tool_calls] == [None, True, None]
 
@@ -139,7 +141,7 @@ def test_budgets_are_checked_in_order(tokenizer: Any, budget: int) -> None:
         """Ping."""
         return "pong"
 
-    env = ToolEnv(ToolSet([ping]), HERMES, verifier, max_calls_per_turn=budget)
+    env = ToolEnv(ToolSet([ping]), verifier, format=HERMES, max_calls_per_turn=budget)
     traj = play(tokenizer, env, [calls("ping", "ping"), "done"])
     assert [r.ok for r in traj.tool_calls] == [True] * budget + [False] * (2 - budget)
 
@@ -153,7 +155,7 @@ def test_an_async_verifier_is_awaited() -> None:
         seen.append(answer)
         return exact_match(answer, "42")
 
-    env = ToolEnv(ToolSet([]), get_format("hermes"), verify)
+    env = ToolEnv(ToolSet([]), verify, format=get_format("hermes"))
     task = Task(id="t", prompt=({"role": "user", "content": "?"},), answer="42")
 
     async def episode() -> Any:

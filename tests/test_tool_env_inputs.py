@@ -80,7 +80,7 @@ def tool_outputs(traj: Trajectory) -> list[str]:
 
 
 def test_a_plain_list_of_functions_runs_episodes(tokenizer: Any) -> None:
-    env = ToolEnv([add], HERMES, verifier)  # this used to construct, then fail every episode
+    env = ToolEnv([add], verifier, format=HERMES)  # this used to construct, then fail every episode
     traj = play(tokenizer, env, [call("add", a=2, b=3), "5"])
     assert traj.error is None
     assert tool_outputs(traj) == ["5"]
@@ -96,7 +96,7 @@ def test_a_plain_list_of_functions_runs_episodes(tokenizer: Any) -> None:
 
 
 def test_functions_tools_and_openai_pairs_mix_in_one_list(tokenizer: Any) -> None:
-    env = ToolEnv((add, negate, (MULTIPLY_SCHEMA, multiply_impl)), HERMES, verifier)
+    env = ToolEnv((add, negate, (MULTIPLY_SCHEMA, multiply_impl)), verifier, format=HERMES)
     texts = [call("add", a=2, b=3), call("negate", x=4), call("multiply", x=2.5, y=2), "5"]
     traj = play(tokenizer, env, texts)
     assert tool_outputs(traj) == ["5", "-4", "5.0"]
@@ -109,7 +109,7 @@ def test_functions_tools_and_openai_pairs_mix_in_one_list(tokenizer: Any) -> Non
 
 
 def test_an_openai_schema_checks_the_arguments_the_model_sends(tokenizer: Any) -> None:
-    env = ToolEnv([(MULTIPLY_SCHEMA, multiply_impl)], HERMES, verifier)
+    env = ToolEnv([(MULTIPLY_SCHEMA, multiply_impl)], verifier, format=HERMES)
     traj = play(tokenizer, env, [call("multiply", x="two", y=2), "5"])
     (record,) = traj.tool_calls
     assert not record.ok
@@ -128,7 +128,7 @@ def test_a_factory_may_return_a_list(tokenizer: Any, kind: str) -> None:
     async def per_task_async(task: Task) -> list[Any]:
         return per_task(task)
 
-    env = ToolEnv(per_task if kind == "sync" else per_task_async, HERMES, verifier)
+    env = ToolEnv(per_task if kind == "sync" else per_task_async, verifier, format=HERMES)
     traj = play(tokenizer, env, [call("add", a=1, b=4), "5"])
     assert tool_outputs(traj) == ["5"]
     assert traj.success
@@ -137,7 +137,9 @@ def test_a_factory_may_return_a_list(tokenizer: Any, kind: str) -> None:
 
 def test_a_toolset_and_an_untyped_lambda_factory_still_work(tokenizer: Any) -> None:
     for tools in (ToolSet([add]), lambda task: ToolSet([add])):
-        traj = play(tokenizer, ToolEnv(tools, HERMES, verifier), [call("add", a=2, b=3), "5"])
+        traj = play(
+            tokenizer, ToolEnv(tools, verifier, format=HERMES), [call("add", a=2, b=3), "5"]
+        )
         assert tool_outputs(traj) == ["5"]
         assert traj.success
 
@@ -145,7 +147,7 @@ def test_a_toolset_and_an_untyped_lambda_factory_still_work(tokenizer: Any) -> N
 def test_a_factory_returning_something_else_fails_the_episode_not_the_batch(
     tokenizer: Any,
 ) -> None:
-    env = ToolEnv(lambda task: {"add": add}, HERMES, verifier)
+    env = ToolEnv(lambda task: {"add": add}, verifier, format=HERMES)
     traj = play(tokenizer, env, ["5"])
     assert traj.stop_reason == "error"
     assert traj.error is not None
@@ -173,7 +175,7 @@ def test_a_factory_returning_something_else_fails_the_episode_not_the_batch(
 )  # fmt: skip
 def test_anything_else_is_a_type_error_at_construction(tools: Any, message: str) -> None:
     with pytest.raises(TypeError) as caught:
-        ToolEnv(tools, HERMES, verifier)
+        ToolEnv(tools, verifier, format=HERMES)
     assert str(caught.value).startswith(message)
 
 
@@ -204,7 +206,7 @@ def untyped(a, b):  # type: ignore[no-untyped-def]
 )  # fmt: skip
 def test_a_bad_entry_says_what_is_wrong(entry: Any, message: str) -> None:
     with pytest.raises(ToolDefinitionError) as caught:
-        ToolEnv([entry], HERMES, verifier)
+        ToolEnv([entry], verifier, format=HERMES)
     assert str(caught.value).startswith(message)
     assert isinstance(caught.value, TypeError)
 
@@ -224,7 +226,7 @@ def test_an_openai_schema_may_describe_a_function_taking_kwargs() -> None:
     ("score", "success"), [(1.0, True), (0.5, False), (True, True), (0, False)]
 )
 def test_a_verifier_may_return_a_plain_number(tokenizer: Any, score: float, success: bool) -> None:
-    env = ToolEnv([add], HERMES, lambda task, answer: score)
+    env = ToolEnv([add], lambda task, answer: score, format=HERMES)
     traj = play(tokenizer, env, ["5"])
     assert traj.error is None
     assert traj.reward == float(score)
@@ -232,7 +234,7 @@ def test_a_verifier_may_return_a_plain_number(tokenizer: Any, score: float, succ
 
 
 def test_a_verifier_returning_something_else_is_a_clear_error(tokenizer: Any) -> None:
-    env = ToolEnv([add], HERMES, lambda task, answer: "yes")  # type: ignore[arg-type,return-value]
+    env = ToolEnv([add], lambda task, answer: "yes", format=HERMES)  # type: ignore[arg-type,return-value]
     traj = play(tokenizer, env, ["5"])
     assert traj.error is not None
     assert "the verifier returned str; return a turnrl.Verdict or a number" in traj.error

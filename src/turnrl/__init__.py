@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from turnrl.envs import Environment, ToolEnv, check_env, make_env_spec
+from turnrl.envs import Environment, TextEnv, ToolEnv, check_env, make_env_spec
 from turnrl.envs.agent import AgentEnvironment
 from turnrl.envs.agent_processes import AgentProcesses
 from turnrl.errors import ConfigError, EpisodeFailures, TurnrlError
@@ -38,6 +38,7 @@ __all__ = [
     "RunResult",
     "StepResult",
     "Task",
+    "TextEnv",
     "Tool",
     "ToolCall",
     "ToolEnv",

@@ -95,6 +95,9 @@ def train(
         config = dataclasses.replace(
             config, env=EnvConfig(name=str(getattr(spec, "name", "custom")))
         )
+    else:  # the recipe's
+        spec = make_env_spec(config.env.name, **config.env.options)
+    spec = as_environment(spec, format=_family_format(config))  # for episodes naming none
     run_dir = Path(out) if out is not None else Path("runs") / config.name
     c = config.cluster
     if c.learner_ranks >= 1 or c.rollout_workers >= 1:  # processes of their own

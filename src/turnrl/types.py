@@ -8,7 +8,7 @@ exactly as it was sampled (docs/design.md, invariant 1: training never re-tokeni
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -32,18 +32,43 @@ StopReason = Literal[
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Task:
     """One problem instance: what the model is asked and what the verifier needs.
 
-    ``prompt`` holds the opening messages (usually one user message). ``answer`` is whatever
-    the environment's verifier compares against; it is never shown to the model.
+    ``prompt`` holds the opening messages: given as a string, it is one user message
+    (``Task(id="t0", prompt="What is 3 times 4?", answer="12")``); given as messages (a
+    tuple or list of ``{"role", "content"}`` dicts), those, kept as a tuple. ``answer`` is
+    whatever the environment's verifier compares against; it is never shown to the model.
     """
 
     id: str
     prompt: tuple[Message, ...]
     answer: Any = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        id: str,
+        prompt: str | Sequence[Message],
+        answer: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        messages: tuple[Message, ...]
+        if isinstance(prompt, str):
+            messages = ({"role": "user", "content": prompt},)
+        else:
+            given: object = prompt
+            if not isinstance(given, Sequence) or not all(isinstance(m, Mapping) for m in given):
+                raise TypeError(
+                    "Task.prompt must be a string (one user message) or a sequence of "
+                    f"message dicts, got {type(prompt).__name__}"
+                )
+            messages = tuple(prompt)
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "prompt", messages)
+        object.__setattr__(self, "answer", answer)
+        object.__setattr__(self, "metadata", {} if metadata is None else metadata)
 
 
 @dataclass(frozen=True)

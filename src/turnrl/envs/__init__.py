@@ -6,6 +6,7 @@ from turnrl.envs.custom import Environment
 from turnrl.envs.games import Bandit, FrozenLake, GameEnv, Sokoban
 from turnrl.envs.registry import ENVIRONMENTS, EnvSpec, make_env_spec
 from turnrl.envs.secret_lookup import SecretLookup
+from turnrl.envs.text_env import TextEnv
 from turnrl.envs.tool_env import ToolEnv, Verifier
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "GameEnv",
     "SecretLookup",
     "Sokoban",
+    "TextEnv",
     "ToolEnv",
     "Verifier",
     "check_env",

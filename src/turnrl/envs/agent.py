@@ -51,7 +51,7 @@ from typing import Any
 from turnrl.envs.custom import Environment
 from turnrl.envs.endpoint import AgentCall, EndpointError, EpisodeInbox, PolicyEndpoint
 from turnrl.envs.http_transport import aiohttp_client
-from turnrl.formats import get_format
+from turnrl.formats import default_format, get_format
 from turnrl.formats.openai_message import assistant_text
 from turnrl.protocols import Format, ToolSchema
 from turnrl.rewards import Verdict
@@ -490,7 +490,8 @@ class AgentEnvironment(Environment):
     ``tasks`` (and ``test_tasks``): ``turnrl.Task`` objects, or any objects (each wrapped
     in a ``Task``; the agent and the reward get the object itself), or a function of
     (index, split). ``format``: the model family's call format (``hermes`` for the
-    quick-start and Qwen-style templates, ``llama3_json``, ``mistral``). ``endpoint``: a
+    quick-start and Qwen-style templates, ``llama3_json``, ``mistral``); None, the
+    default, is the run's (``Environment.format``). ``endpoint``: a
     ``PolicyEndpoint`` to serve on (default: loopback, a free port). ``demonstrate`` and
     ``corpus_text``: as for ``Environment`` (by default both are derived, the derived
     demonstration playing one call through the agent itself). At most ``max_concurrent``
@@ -508,7 +509,7 @@ class AgentEnvironment(Environment):
         reward: Reward,
         *,
         test_tasks: Sequence[Any] | Callable[[int, str], Task] | None = None,
-        format: str | Format = "hermes",
+        format: str | Format | None = None,
         endpoint: PolicyEndpoint | None = None,
         name: str = "agent",
         demonstrate: Callable[[Task, Any], list[str]] | None = None,
@@ -534,13 +535,13 @@ class AgentEnvironment(Environment):
                     f"model_errors holds exception classes or qualified names, got {e!r}"
                 )
         errors = (*MODEL_ERRORS, *model_errors)
-        fmt = get_format(format) if isinstance(format, str) else format
+        fmt = get_format(format) if isinstance(format, str) else format  # None: the run's
         served = endpoint or PolicyEndpoint()
         pool = AgentPool(served, max_concurrent=max_concurrent, max_threads=max_threads)
 
         def make() -> AgentEnv:
             return AgentEnv(
-                agent, reward, served, fmt, pool=pool, model_errors=errors,
+                agent, reward, served, fmt or default_format(), pool=pool, model_errors=errors,
                 model_error_reward=model_error_reward,
             )  # fmt: skip
 
@@ -551,6 +552,7 @@ class AgentEnvironment(Environment):
             name=name,
             demonstrate=demonstrate,
             corpus_text=tuple(corpus_text),
+            format=fmt,
         )
         object.__setattr__(self, "endpoint", served)  # a frozen dataclass's fields are set
         object.__setattr__(self, "pool", pool)
@@ -564,7 +566,7 @@ class AgentEnvironment(Environment):
 def as_tasks(
     tasks: Sequence[Any] | Callable[[int, str], Any], split: str
 ) -> Sequence[Task] | Callable[[int, str], Task]:
-    """``tasks`` as ``Task``s: any other object becomes ``Task(id, prompt=(its text,))``
+    """``tasks`` as ``Task``s: any other object becomes ``Task(id, prompt=its text)``
     holding the object under ``metadata["agent_task"]``."""
     if callable(tasks):
         source = tasks
@@ -578,7 +580,7 @@ def _as_task(obj: Any, task_id: str) -> Task:
     if isinstance(obj, Task):
         return obj
     text = obj if isinstance(obj, str) else json.dumps(obj, default=str)
-    return Task(id=task_id, prompt=({"role": "user", "content": text},), metadata={AGENT_TASK: obj})
+    return Task(id=task_id, prompt=text, metadata={AGENT_TASK: obj})
 
 
 def agent_kind(agent: Any) -> str:

@@ -21,6 +21,7 @@ derives the last two when you give none:
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import random
 import re
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnrl.formats import get_format, using_default_format
 from turnrl.protocols import Env, Format, ToolSchema
 from turnrl.types import Task, ToolCall
 
@@ -46,6 +48,9 @@ class Environment:
     (default: the training tasks, so "held-out" success is then training success).
     ``env``: a function returning a new ``Env`` (e.g. a ``ToolEnv``). ``demonstration``
     and ``corpus`` are derived from the environment when not given (module docstring).
+    ``format``: the call format of the episodes that name none (a ``ToolEnv`` or
+    ``GameEnv`` built without ``format=``); None, the default, is the run's (the trained
+    model family's, which ``turnrl.train`` fills in), hermes outside a run.
     """
 
     tasks: TaskSource
@@ -56,6 +61,8 @@ class Environment:
     """Assistant turns that show the format for a task (the warm-up plays them)."""
     corpus_text: Sequence[str] = field(default=())
     """Extra text for the tiny model's tokenizer (added to the derived corpus)."""
+    format: Format | str | None = None
+    """The call format of episodes built without one (see the class docstring)."""
 
     def __post_init__(self) -> None:
         for label, source in (("tasks", self.tasks), ("test_tasks", self.test_tasks)):
@@ -68,6 +75,8 @@ class Environment:
                 raise TypeError(f"{label} must hold turnrl.Task objects, got {bad!r}")
         if not callable(self.env):
             raise TypeError(f"env must be a function returning a new environment, got {self.env!r}")
+        if isinstance(self.format, str):
+            get_format(self.format)  # an unknown name fails here, naming the known ones
 
     def task(self, index: int, split: str = "train") -> Task:
         source = self.test_tasks if split == "test" and self.test_tasks is not None else self.tasks
@@ -76,28 +85,45 @@ class Environment:
         return source[index % len(source)]
 
     def make_env(self) -> Env:
-        return self.env()
+        """A new episode, built with ``format`` as the call format of what names none."""
+        with using_default_format(self.format):
+            return self.env()
+
+    def with_format(self, format: Format | str) -> Environment:
+        """This family with ``format`` for episodes that name none, unless it has one."""
+        if self.format is not None:
+            return self
+        family = copy.copy(self)  # not dataclasses.replace: a subclass has its own __init__
+        object.__setattr__(family, "format", format)
+        return family
 
     def demonstration(self, task: Task, rng: random.Random) -> Any:
-        """The given ``demonstrate``, or a derived one (an awaitable of the turns)."""
+        """The given ``demonstrate`` (``turnrl.formats.default_format()`` in it is the
+        family's format), or a derived one (an awaitable of the turns)."""
         if self.demonstrate is not None:
-            return self.demonstrate(task, rng)
-        return default_demonstration(self.env, task, rng.getrandbits(64))
+            with using_default_format(self.format):
+                return self.demonstrate(task, rng)
+        return default_demonstration(self.make_env, task, rng.getrandbits(64))
 
     def corpus(self) -> list[str]:
         return [*self.corpus_text, *default_corpus(self)]
 
 
-def as_environment(spec: Any) -> Any:
+def as_environment(spec: Any, format: Format | str | None = None) -> Any:
     """``spec`` with ``demonstration`` and ``corpus``: as it is if it has both, else an
     ``Environment`` over its ``task`` and ``make_env`` that passes every other attribute
-    (``oracle``, ``card``, ``reward_range``, ...) through to ``spec``."""
+    (``oracle``, ``card``, ``reward_range``, ...) through to ``spec``. ``format``: the
+    call format of episodes that name none (``Environment.format``), where ``spec`` is an
+    ``Environment`` without one or is completed here; a family with its own
+    ``demonstration`` and ``corpus`` (as the registered ones) chooses its own formats."""
+    if isinstance(spec, Environment):
+        return spec if format is None else spec.with_format(format)
     if callable(getattr(spec, "demonstration", None)) and callable(getattr(spec, "corpus", None)):
         return spec
     given = getattr(spec, "demonstration", None)
     return _Completed(
         tasks=spec.task, env=spec.make_env, name=str(getattr(spec, "name", "custom")),
-        demonstrate=given if callable(given) else None, source=spec,
+        demonstrate=given if callable(given) else None, format=format, source=spec,
     )  # fmt: skip
 
 

@@ -325,7 +325,7 @@ class SearchQA:
         shaping = None
         if self.search_reward > 0:
             shaping = CompositeReward(format_weight=0.0, tool_weight=self.search_reward)
-        return ToolEnv(self._tools, get_format(self.format), _verify,
+        return ToolEnv(self._tools, _verify, format=get_format(self.format),
                        max_tool_calls=self.max_searches, reward=shaping)  # fmt: skip
 
     def _retrieval_shaped_env(self) -> ToolEnv:
@@ -342,7 +342,7 @@ class SearchQA:
             return Verdict(verdict.reward + self.search_reward * found, verdict.success, components)
 
         env = ToolEnv(
-            self._tools, get_format(self.format), verify, max_tool_calls=self.max_searches
+            self._tools, verify, format=get_format(self.format), max_tool_calls=self.max_searches
         )
         return env
 

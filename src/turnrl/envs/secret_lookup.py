@@ -88,7 +88,7 @@ class SecretLookup:
         )
 
     def make_env(self) -> ToolEnv:
-        return ToolEnv(self._tools, get_format(self.format), _verify, max_tool_calls=4)
+        return ToolEnv(self._tools, _verify, format=get_format(self.format), max_tool_calls=4)
 
     def _tools(self, task: Task) -> ToolSet:
         if not self.tools_enabled:

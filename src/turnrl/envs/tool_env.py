@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias, cast
 
 from turnrl.errors import ToolDefinitionError
-from turnrl.formats import error_observation
+from turnrl.formats import default_format, error_observation, get_format
 from turnrl.protocols import Format, ToolSchema
 from turnrl.rewards import Verdict
 from turnrl.rewards.composite import CompositeReward, gold_calls
@@ -65,22 +65,26 @@ class ToolEnv:
     ``close`` releases the tools' resources (the rollout calls it when the episode ends).
     ``reward``: a ``CompositeReward`` that shapes the verifier's outcome with a gated
     format term and a tool-call match against ``task.metadata["gold_calls"]``.
+
+    ``format`` (a ``Format`` or its name) is how calls are written and parsed; None, the
+    default, takes the run's: the call format of the model family being trained, which a
+    ``turnrl.Environment`` hands to the episodes it builds (hermes outside a run).
     """
 
     def __init__(
         self,
         tools: Tools,
-        format: Format,
         verifier: Verifier,
         *,
+        format: Format | str | None = None,
         system_prompt: str | None = None,
         max_tool_calls: int | None = None,
         max_calls_per_turn: int | None = None,
         reward: CompositeReward | None = None,
     ) -> None:
         self._tools_for = _tools_factory(tools)
-        self.format = format
-        self.verifier = verifier
+        self.format = _format_of(format)
+        self.verifier = _verifier_of(verifier)
         self.system_prompt = system_prompt
         self.max_tool_calls = max_tool_calls
         self.max_calls_per_turn = max_calls_per_turn
@@ -180,6 +184,32 @@ class ToolEnv:
     async def close(self) -> None:
         """Release the episode's tools (sandboxes, sessions); safe to call twice."""
         await self.tools.close()
+
+
+def _format_of(format: object) -> Format:
+    if format is None:
+        return default_format()
+    if isinstance(format, str):
+        return get_format(format)
+    if isinstance(format, Format):
+        return format
+    raise TypeError(
+        f"format must be a turnrl Format, a format's name or None (the run's), got "
+        f"{type(format).__name__}; ToolEnv's arguments are (tools, verifier, *, format=...)"
+    )
+
+
+def _verifier_of(verifier: object) -> Verifier:
+    if isinstance(verifier, Format):  # the old ToolEnv(tools, format, verifier) order
+        raise TypeError(
+            "ToolEnv(tools, verifier, *, format=None): the second argument is the verifier; "
+            "the call format is the keyword format= (left out, the run's model family's)"
+        )
+    if not callable(verifier):
+        raise TypeError(
+            f"verifier must be a function (task, answer) -> reward, got {type(verifier).__name__}"
+        )
+    return cast(Verifier, verifier)
 
 
 def toolset_from(tools: ToolList) -> ToolSet:

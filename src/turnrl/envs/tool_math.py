@@ -138,7 +138,7 @@ class ToolMath:
             interpreter = PythonInterpreter(self._sandbox, timeout_s=self.code_timeout_s)
             return ToolSet([python_tool(interpreter)], on_close=[interpreter.close])
 
-        return ToolEnv(tools, get_format("code"), verify, max_tool_calls=self.max_tool_calls)
+        return ToolEnv(tools, verify, format=get_format("code"), max_tool_calls=self.max_tool_calls)
 
     def oracle(self, task: Task) -> Policy:
         """Runs a program that prints the answer, then boxes what the program printed: a

@@ -3,7 +3,9 @@ how results are shown. Each format satisfies ``turnrl.protocols.Format``; pick o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from turnrl.errors import ConfigError
 from turnrl.formats.code import CodeFormat
@@ -23,8 +25,10 @@ __all__ = [
     "MistralFormat",
     "ReActFormat",
     "SearchR1Format",
+    "default_format",
     "error_observation",
     "get_format",
+    "using_default_format",
 ]
 
 FORMATS: dict[str, Callable[[], Format]] = {
@@ -47,6 +51,37 @@ def get_format(name: str) -> Format:
         known = ", ".join(FORMATS)
         raise ConfigError(f"unknown tool-call format {name!r}; known formats: {known}") from None
     return factory()
+
+
+DEFAULT_FORMAT = "hermes"
+"""The call format of an environment built outside a run (and of the ChatML families)."""
+
+_default: ContextVar[Format | str] = ContextVar("turnrl_default_format", default=DEFAULT_FORMAT)
+
+
+def default_format() -> Format:
+    """The call format an environment given none takes (``ToolEnv``, ``GameEnv``): the
+    run's model family's while a ``turnrl.Environment`` builds an episode for a run (see
+    ``using_default_format``), hermes anywhere else."""
+    fmt = _default.get()
+    return get_format(fmt) if isinstance(fmt, str) else fmt  # a name: a fresh instance
+
+
+@contextmanager
+def using_default_format(fmt: Format | str | None) -> Iterator[None]:
+    """Within the block, ``default_format()`` is ``fmt`` (a format or its name; None
+    leaves it as it is). ``turnrl.Environment.make_env`` builds each episode inside one,
+    with the format the run chose for its model family."""
+    if fmt is None:
+        yield
+        return
+    if isinstance(fmt, str):
+        get_format(fmt)  # an unknown name fails here, naming the known ones
+    token = _default.set(fmt)
+    try:
+        yield
+    finally:
+        _default.reset(token)
 
 
 def error_observation(errors: Sequence[str]) -> list[Message]:

@@ -2,10 +2,11 @@
 
 Why tool calls rather than bare words: the game's actions are then ordinary tools
 (``move(direction)``, ``pull(arm)``) with JSON schemas, validated arguments and precise
-error messages, parsed by the same call format (hermes by default) as every other
-environment, counted in the same tool-call metrics, and taught by the same warm-up. What
-``ToolEnv`` cannot do is end the episode from inside a tool: here, after each turn's calls,
-the game's ``outcome`` decides. The episode
+error messages, parsed by the same call format as every other environment (as for
+``ToolEnv``, the run's model family's unless one is given; hermes outside a run), counted
+in the same tool-call metrics, and taught by the same warm-up. What ``ToolEnv`` cannot do
+is end the episode from inside a tool: here, after each turn's calls, the game's
+``outcome`` decides. The episode
 
 - terminates when the game ends (won, lost, or a turn with no call: the model stopped);
 - is truncated when the move budget (calls) or the turn limit runs out, with the reason in
@@ -20,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turnrl.formats import error_observation, get_format
+from turnrl.formats import default_format, error_observation
 from turnrl.protocols import Format, ToolSchema
 from turnrl.tools import ToolSet
 from turnrl.types import Message, StepResult, Task, ToolCall, ToolCallRecord
@@ -64,7 +65,7 @@ class GameEnv:
         self._new_game = new_game
         self.max_moves = max_moves
         self.max_turns = max_turns
-        self.format = format or get_format("hermes")
+        self.format = default_format() if format is None else format
         self.game: Game | None = None
         self.tools = ToolSet([])
         self.num_moves = 0

@@ -249,7 +249,10 @@ class SweEnv(ToolEnv):
 
     def __init__(self, workspace: Workspace, max_tool_calls: int) -> None:
         super().__init__(
-            workspace.open, get_format("hermes"), workspace.verify, max_tool_calls=max_tool_calls
+            workspace.open,
+            workspace.verify,
+            format=get_format("hermes"),
+            max_tool_calls=max_tool_calls,
         )
         self.workspace = workspace
 
