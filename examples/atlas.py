@@ -9,7 +9,8 @@ import random
 import sys
 
 import turnrl
-from turnrl import Environment, Task, ToolCall, ToolEnv, get_format
+from turnrl import Environment, Task, ToolCall, ToolEnv
+from turnrl.formats import default_format
 
 RECIPE = "quickstart"  # the tiny model, GiGPO's turn-level credit, a KL anchor
 COUNTRIES = ["Norland", "Vesta"]
@@ -21,7 +22,7 @@ def make_task(index: int, split: str) -> Task:
     rng = random.Random(f"{split}-{index}")
     world = {country: rng.choice(CITIES) for country in COUNTRIES}
     asked = rng.choice(COUNTRIES)
-    prompt = ({"role": "user", "content": f"What is the capital of {asked}?"},)
+    prompt = f"What is the capital of {asked}?"
     return Task(f"{split}-{index}", prompt, answer=world[asked], metadata={"world": world})
 
 
@@ -34,14 +35,15 @@ def tools(task: Task) -> list:
 
 
 def demonstrate(task: Task, rng: random.Random) -> list[str]:
-    """The warm-up's turns: the format only (a random country, a random city)."""
+    """The warm-up's turns: the format only (a random country, a random city), the call
+    written in the run's call format."""
     call = ToolCall("capital", {"country": rng.choice(COUNTRIES)})
-    return [get_format("hermes").render_call(call), rng.choice(CITIES)]
+    return [default_format().render_call(call), rng.choice(CITIES)]
 
 
 def make_env() -> ToolEnv:
     verify = lambda task, answer: float(answer.strip() == task.answer)  # noqa: E731
-    return ToolEnv(tools, get_format("hermes"), verify, max_tool_calls=2)
+    return ToolEnv(tools, verify, max_tool_calls=2)
 
 
 if __name__ == "__main__":  # python examples/atlas.py [key=value ...]

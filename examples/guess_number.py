@@ -1,17 +1,17 @@
 """A Gymnasium-style text game: guess a number from 1 to 16 in four turns, told
-"higher" or "lower" after each guess. The environment is a plain class with ``reset``
-and ``step``: no tools, no format, the reward at the end."""
+"higher" or "lower" after each guess. The environment is a ``TextEnv``: it writes ``reset``
+and ``step``; no tools, no format, the reward at the end."""
 
 import random
 import sys
 
 import turnrl
-from turnrl import Environment, StepResult, Task
+from turnrl import Environment, StepResult, Task, TextEnv
 
 MAX_GUESSES = 4
 
 
-class GuessNumber:
+class GuessNumber(TextEnv):
     """One episode (the trainer makes a fresh one per episode)."""
 
     async def reset(self, task: Task, seed: int) -> list[dict[str, str]]:
@@ -29,17 +29,11 @@ class GuessNumber:
         hint = "not a number" if guess is None else ("higher" if guess < self.secret else "lower")
         return StepResult(observation=({"role": "user", "content": hint},))
 
-    def tool_schemas(self) -> list[dict[str, object]]:
-        return []
-
-    def stop_strings(self) -> tuple[str, ...]:
-        return ()
-
 
 def make_task(index: int, split: str) -> Task:
     secret = random.Random(f"{split}-{index}").randint(1, 16)
     text = f"Guess my number from 1 to 16 in {MAX_GUESSES} tries. Answer with a number."
-    return Task(id=f"{split}-{index}", prompt=({"role": "user", "content": text},), answer=secret)
+    return Task(id=f"{split}-{index}", prompt=text, answer=secret)
 
 
 def demonstrate(task: Task, rng: random.Random) -> list[str]:

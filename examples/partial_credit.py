@@ -6,14 +6,14 @@ import random
 import sys
 
 import turnrl
-from turnrl import Environment, Task, ToolEnv, ToolSet, Verdict, get_format
+from turnrl import Environment, Task, ToolEnv, Verdict
 
 
 def make_task(index: int, split: str) -> Task:
     numbers = random.Random(f"{split}-{index}").sample(range(1, 100), 6)
     text = f"Numbers: {' '.join(map(str, numbers))}. Reply with the three largest, largest first."
     gold = [str(n) for n in sorted(numbers, reverse=True)[:3]]
-    return Task(id=f"{split}-{index}", prompt=({"role": "user", "content": text},), answer=gold)
+    return Task(id=f"{split}-{index}", prompt=text, answer=gold)
 
 
 def verify(task: Task, answer: str) -> Verdict:
@@ -26,7 +26,7 @@ def verify(task: Task, answer: str) -> Verdict:
 
 
 def make_env() -> ToolEnv:
-    return ToolEnv(ToolSet([]), get_format("hermes"), verify)
+    return ToolEnv([], verify)
 
 
 env = Environment(make_task, make_env, name="top_three")
