@@ -150,6 +150,24 @@ def presets(data: dict[str, Any], tmp: Path) -> None:
     assert "| grpo | 0 / 1 |" in summary  # one summary row per preset, every seed in it
 
 
+def real_model(data: dict[str, Any], tmp: Path) -> None:
+    assert data["model"] == "tiny (--smoke)"
+    rows = data["runs"]
+    assert [(r["task"], r["label"]) for r in rows] == [
+        ("search_qa", "seed0"), ("search_qa", "no-warmup"),
+        ("tool_math", "seed0"), ("tool_math", "no-warmup"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["steps"] == 1
+        curve_ok(r["curve"], 1)
+        assert r["target"] >= 0.6
+        assert Path(r["run_dir"]).is_relative_to(tmp)
+    assert rows[0]["warmup_s"] > 0
+    assert rows[1]["warmup_s"] == 0
+    assert set(rows[0]["episodes"]) == {"first", "last"}
+    assert rows[0]["episodes"]["first"]["turns"][0]["role"] == "assistant"
+
+
 def reliability(data: dict[str, Any], tmp: Path) -> None:
     killed = data["kills"]
     assert [k["attempt"] for k in killed["kills"]] == [0, 1]
@@ -322,6 +340,7 @@ CHECKS: dict[str, Check] = {
     "learning_proof": learning_proof,
     "parity_2026": parity_2026,
     "presets": presets,
+    "real_model": real_model,
     "reliability": reliability,
     "rollout": rollout,
     "scale": scale,

@@ -95,6 +95,37 @@ def test_the_oracle_solves_through_the_sandbox() -> None:
     assert sum(wins) / len(wins) >= 0.99
 
 
+def test_demonstrations_compute_with_the_question_s_numbers_and_box_what_was_printed() -> None:
+    """The warm-up's programs use only numbers the question shows (so a model warmed up on
+    them writes code about the question, not about a number from nowhere), and the boxed
+    answer is exactly what the sandbox printed."""
+    import random
+
+    spec = ToolMath(generators=("basic_arithmetic", "chain_sum"))
+    rng = random.Random(0)
+
+    async def run() -> list[tuple[Task, list[str], str]]:
+        out = []
+        for i in range(12):
+            task = spec.task(i, "warmup")
+            turns = spec.demonstration(task, rng)
+            episode = await play(spec.make_env(), task, replay(turns), seed=i, max_steps=3)
+            out.append((task, turns, str(episode.results[0].observation[0]["content"])))
+        return out
+
+    for task, (program, answer), output in asyncio.run(run()):
+        question = str(task.prompt[0]["content"]).split("Solve it with Python")[0]
+        expression = re.fullmatch(r"```python\nprint\((.*)\)\n```", program)
+        assert expression, program
+        used = [int(n) for n in re.findall(r"-?\d+", expression[1].replace("(", ""))]
+        shown = [int(n) for n in re.findall(r"(?<![\d.])-?\d+(?![\d.])", question)]
+        assert used, program
+        assert all(n in shown for n in used), (question, program)
+        printed = re.search(r"```output\n(.*?)\n", output)
+        assert printed, output
+        assert answer == f"\\boxed{{{printed[1]}}}", (output, answer)
+
+
 def test_several_boxed_answers_do_not_end_the_episode() -> None:
     task = SPEC.task(0, "test")
     turns = [f"\\boxed{{1}} or \\boxed{{{task.answer}}}"]

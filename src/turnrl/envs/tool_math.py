@@ -159,12 +159,25 @@ class ToolMath:
         return policy
 
     def demonstration(self, task: Task, rng: random.Random) -> list[str]:
-        """Format-only turns (replayed, the random policy): code printing a random number,
-        then that number boxed."""
+        """Format-only turns (replayed, the random policy): a program printing a random
+        sum, difference or product of numbers the question shows (some of them, in their
+        order, with random operators), then what it printed, boxed. Drawn from what the
+        model can see, so a warm-up on these teaches writing code about the question and
+        copying its output, never which expression is right; a random number from outside
+        the question would teach a model to ignore the question (a pretrained model warmed
+        up on ``print(<random number>)`` kept printing random numbers: 0 of 64 solved)."""
         fmt = get_format("code")
-        guess = rng.randint(0, 999)
-        return [fmt.render_call(ToolCall("python", {"code": f"print({guess})"})),
-                f"\\boxed{{{guess}}}"]  # fmt: skip
+        numbers = [int(n) for n in re.findall(r"(?<![\d.])-?\d+(?![\d.])", _question(task))]
+        if not numbers:
+            numbers = [rng.randint(0, 99)]
+        chosen = [n for n in numbers if rng.random() < 0.5] or [rng.choice(numbers)]
+        value, expression = chosen[0], _literal(chosen[0])
+        for n in chosen[1:]:
+            op = rng.choice("+-*")
+            value = value + n if op == "+" else value - n if op == "-" else value * n
+            expression += f" {op} {_literal(n)}"
+        program = fmt.render_call(ToolCall("python", {"code": f"print({expression})"}))
+        return [program, f"\\boxed{{{value}}}"]
 
     def corpus(self) -> list[str]:
         return demonstration_corpus(self, 60)
@@ -189,6 +202,15 @@ class ToolMath:
             "is refused; a wrong or missing answer ends the episode with 0",
             chance=self.chance,
         )
+
+
+def _question(task: Task) -> str:
+    """The problem statement of a task's prompt, without the instructions after it."""
+    return str(task.prompt[-1]["content"]).split("\n\nSolve it with Python")[0]
+
+
+def _literal(n: int) -> str:
+    return f"({n})" if n < 0 else str(n)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -54,6 +54,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,9 @@ SandboxMode = Literal["auto", "bwrap", "rlimit"]
 DEFAULT_UIDS = range(2_000_000_000, 2_000_000_064)
 """Dedicated uids (and gids) for sandbox slots: far above any account (Debian's adduser
 stops at 59999, systemd's dynamic users at 65519), below 2**31 for old tools' sake."""
+
+KILL_SETTLE_S = 1.0
+"""How long ``kill_all`` waits after a SIGKILL for the killed processes to be gone."""
 
 WORKSPACE = "/workspace"
 """Where the episode's work dir appears inside a bubblewrap sandbox."""
@@ -375,6 +379,11 @@ class Sandbox:
                 return
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 self._kill_as(slot)
+            # A killed process is listed until the kernel has run its exit, which on a
+            # loaded machine takes a moment: wait for that before killing again or warning.
+            deadline = time.monotonic() + KILL_SETTLE_S
+            while pids_of_uid(slot.uid) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if pids_of_uid(slot.uid):
             logger.warning("processes of sandbox uid %d survive SIGKILL", slot.uid)
 
