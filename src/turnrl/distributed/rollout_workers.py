@@ -93,7 +93,7 @@ from turnrl.protocols import Backend
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import Config
-from turnrl.trainer.loop import (
+from turnrl.trainer.startup import (
     WorkersSpec,
     autocast_dtype,
     engine_weights,
