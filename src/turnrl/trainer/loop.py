@@ -227,11 +227,9 @@ def evaluate(t: Trainer) -> Row:
 
 def _save(t: Trainer, run_dir: Path, tokenizer: Any, step: int, version: int) -> None:
     """A checkpoint of the learner's weights, whose policy version is ``version``. A
-    learner whose ``model`` may lag its weights (``refresh_model``: learner ranks that send
-    the weights to the rollout workers themselves) brings them into it first."""
-    refresh = getattr(t.learner, "refresh_model", None)
-    if refresh is not None:
-        refresh()
+    learner whose ``model`` may lag its weights (learner ranks that send the weights to the
+    rollout workers themselves) brings them into it first (``refresh_model``)."""
+    t.learner.refresh_model()
     state = TrainerState(step=step, policy_version=version)
     extra = None if t.learner.critic is None else {"critic": t.learner.critic.state_dict()}
     save_checkpoint(run_dir, t.learner.model, tokenizer, t.learner.optimizer, state, extra)

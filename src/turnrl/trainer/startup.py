@@ -37,7 +37,7 @@ from turnrl.models import (
 )
 from turnrl.models.loading import stop_token_ids
 from turnrl.models.lora import ADAPTER_CONFIG, add_lora, is_lora, load_adapters, merged_state_dict
-from turnrl.protocols import Backend
+from turnrl.protocols import Backend, Env, close_env, env_format, env_tools
 from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer, template_report
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
@@ -81,8 +81,10 @@ MakeLearner = Callable[[LearnerSpec], Any]
 """Makes the run's learner: a ``Learner``, or an object with the part of its interface the
 step, the loop and the checkpoints use: ``model`` (the spec's), ``optimizer``
 (``state_dict`` and ``load_state_dict`` in torch.optim's layout), ``critic`` (or None),
-``step_samples`` (which leaves the new weights in ``model``), ``sampler_gap`` and
-``reference_kl``. ``turnrl.distributed`` gives one backed by a ``LearnerGroup``."""
+``step_samples`` (which leaves the new weights in ``model``), ``sampler_gap``,
+``reference_kl`` and ``refresh_model`` (brings the newest weights into ``model`` where it
+may lag them, before a checkpoint reads it). ``turnrl.distributed`` gives one backed by a
+``LearnerGroup``."""
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,7 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     history only warns (each tool episode is then split into per-turn samples, counted as
     ``rollout/template_breaks``)."""
     env = t.spec.make_env()
-    call_format = getattr(env, "format", None)
+    call_format = env_format(env)
     if call_format is None:  # an environment without a tool-call format: nothing to probe
         return {}
     tools = _tool_schemas(t, env)
@@ -399,24 +401,23 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     }
 
 
-def _tool_schemas(t: Trainer, env: Any) -> list[Any] | None:
+def _tool_schemas(t: Trainer, env: Env) -> list[Any] | None:
     """The tools ``env`` offers on the first test task (the probe calls the first one);
     none where they cannot be read without an episode (the probe then uses its own); None
     where building them fails: a bug in the environment is reported by its episodes, with
     the user's traceback and the failure policy (``rollout.max_error_frac``)."""
-    if not hasattr(env, "tools"):
+    if env_tools(env) is None:
         return []
 
     async def tools_of() -> list[Any] | None:
         try:
             await env.reset(t.spec.task(0, split="test"), derive_seed(t.config.seed, "template"))
-            return list(env.tools.schemas())
+            tools = env_tools(env)
+            return None if tools is None else list(tools.schemas())
         except Exception:
             return None
         finally:
-            close = getattr(env, "close", None)
-            if close is not None:
-                await close()
+            await close_env(env)
 
     return asyncio.run(tools_of())
 

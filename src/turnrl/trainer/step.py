@@ -135,13 +135,12 @@ def sync_engines(t: Trainer, version: int | None = None, model: Any = None) -> R
     """After an update: the engine takes the learner's weights (or ``model``'s, a copy of
     them: trainer/pipeline.py) and its policy version moves on, or becomes ``version``; so
     do the rollout workers. The workers' sync metrics, and a sleeping engine's sleep and
-    wake times (``VLLMBackend.sleep_metrics``)."""
+    wake times (``Backend.sleep_metrics``)."""
     source = t.learner.model if model is None else model
     t.backend.sync(source)
     if version is not None:
         t.backend.policy_version = version
-    sleep_metrics = getattr(t.backend, "sleep_metrics", None)
-    row: Row = dict(sleep_metrics()) if sleep_metrics is not None else {}
+    row: Row = dict(t.backend.sleep_metrics())
     if t.workers is not None:
         row.update(t.workers.sync(source, t.backend.policy_version))
     return row
