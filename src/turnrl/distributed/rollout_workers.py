@@ -100,7 +100,7 @@ from turnrl.trainer.startup import (
     sampler_copy_dtype,
     vllm_sampler,
 )
-from turnrl.trainer.step import Groups
+from turnrl.trainer.workers import Groups
 from turnrl.types import Task
 
 START_TIMEOUT_S = 300.0

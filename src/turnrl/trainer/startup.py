@@ -46,8 +46,9 @@ from turnrl.rollout.groups import GroupSpec
 from turnrl.trainer.checkpoint import load_extra, load_trainer_state, save_start_policy
 from turnrl.trainer.config import Config, resolved
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.step import RolloutWorkers, Trainer, run_groups
+from turnrl.trainer.step import Trainer, run_groups
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
+from turnrl.trainer.workers import RolloutWorkers
 
 if TYPE_CHECKING:
     from turnrl.backends.vllm_backend import VLLMBackend
@@ -108,7 +109,7 @@ class WorkersSpec:
 
 
 MakeWorkers = Callable[[WorkersSpec], RolloutWorkers]
-"""Makes the run's rollout workers (``step.RolloutWorkers``); ``turnrl.distributed`` gives
+"""Makes the run's rollout workers (``workers.RolloutWorkers``); ``turnrl.distributed`` gives
 Ray actors for ``cluster.rollout_workers >= 1``."""
 
 
