@@ -36,7 +36,8 @@ from training_runs import TINY_RUN, write_results
 from turnrl import load_config
 from turnrl.rollout.batch import Batch
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.loop import LearnerSpec, in_process_learner, train
+from turnrl.trainer.loop import train
+from turnrl.trainer.startup import LearnerSpec, in_process_learner
 
 
 def flat_grad(params: Sequence[torch.Tensor]) -> torch.Tensor:

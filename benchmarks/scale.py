@@ -511,7 +511,7 @@ def workers_spec(n: int, weight_sync: str, made: Any, *more: str) -> Any:
     model ``sync_models`` made (``more``: the run's other settings)."""
     from turnrl import load_config, make_env_spec
     from turnrl.trainer.config import resolved
-    from turnrl.trainer.loop import WorkersSpec
+    from turnrl.trainer.startup import WorkersSpec
 
     path, model, tokenizer = made
     c = resolved(

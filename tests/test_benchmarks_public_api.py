@@ -41,14 +41,14 @@ INTERNAL: dict[str, set[str]] = {
     "bf16_gradients.py": {
         "turnrl.rollout.batch.Batch",
         "turnrl.trainer.learner.Learner",
-        "turnrl.trainer.loop.LearnerSpec",
-        "turnrl.trainer.loop.in_process_learner",
         "turnrl.trainer.loop.train",
+        "turnrl.trainer.startup.LearnerSpec",
+        "turnrl.trainer.startup.in_process_learner",
     },
     "copying.py": {
         "turnrl.envs.search_qa.build_world",
         "turnrl.models.pretrain.made_up_word",
-        "turnrl.trainer.loop.tiny_model_config",
+        "turnrl.trainer.startup.tiny_model_config",
     },
     "envs.py": {
         "turnrl.envs.policy.Episode",
@@ -84,7 +84,7 @@ INTERNAL: dict[str, set[str]] = {
         "turnrl.trainer.config.MicroBatchConfig",
         "turnrl.trainer.config.resolved",
         "turnrl.trainer.learner.Learner",
-        "turnrl.trainer.loop.WorkersSpec",
+        "turnrl.trainer.startup.WorkersSpec",
         "turnrl.types.Sample",
     },
     "vs_trl.py": {"turnrl.backends.hf_cache.cache_kwargs"},

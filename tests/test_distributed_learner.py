@@ -34,7 +34,7 @@ from turnrl.models import load_model
 from turnrl.models.tiny import TinyModelConfig, build_tiny_model
 from turnrl.rollout.batch import Batch, pack
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.loop import checkpoint_activations
+from turnrl.trainer.startup import checkpoint_activations
 from turnrl.types import Sample
 
 # A sequence-mean reduction (the global sequence count matters, not only the token

@@ -514,17 +514,17 @@ def test_a_template_that_fails_the_start_up_check_stops_the_run(
     from conftest import SMALL_RUN
     from turnrl.errors import TemplateError
     from turnrl.rollout.chat import TemplateReport
-    from turnrl.trainer import loop
+    from turnrl.trainer import loop, startup
     from turnrl.trainer.config import load_config
 
     failing = TemplateReport(
         True, True, False, ("a tool result containing '<|im_end|>' was not encoded as plain text",)
     )
-    monkeypatch.setattr(loop, "template_report", lambda *a, **k: failing)
+    monkeypatch.setattr(startup, "template_report", lambda *a, **k: failing)
     with pytest.raises(TemplateError, match=r"start-up check.*not encoded as plain text"):
         loop.train(load_config(None, SMALL_RUN), tmp_path / "run", progress=False)
     prefix_only = TemplateReport(False, True, True, ("the template rewrites history",))
-    monkeypatch.setattr(loop, "template_report", lambda *a, **k: prefix_only)
+    monkeypatch.setattr(startup, "template_report", lambda *a, **k: prefix_only)
     result = loop.train(load_config(None, SMALL_RUN), tmp_path / "run2", progress=False)
     assert result.rows[0]["startup/template_prefix"] == 0.0  # warned, logged, not refused
 
@@ -538,7 +538,7 @@ def test_every_registered_environment_passes_the_template_check(tokenizer: Any) 
     from turnrl.models.loading import stop_token_ids
     from turnrl.rollout.chat import ChatRenderer
     from turnrl.trainer.config import load_config
-    from turnrl.trainer.loop import check_template
+    from turnrl.trainer.startup import check_template
 
     config = load_config(None, [])
     for name in registry.ENVIRONMENTS:  # search_qa's default format is search_r1

@@ -23,7 +23,8 @@ from turnrl.models.lora import add_lora, is_lora, merged_state_dict
 from turnrl.trainer.config import inert_settings, load_config, resolved
 from turnrl.trainer.forward import token_logprobs
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.loop import checkpoint_activations, torch_sampler, train
+from turnrl.trainer.loop import train
+from turnrl.trainer.startup import checkpoint_activations, torch_sampler
 
 
 def test_bf16_mixed_keeps_float32_master_weights_and_autocasts_the_compute(

@@ -48,7 +48,7 @@ from turnrl.envs import make_env_spec
 from turnrl.errors import BackendError, ConfigError
 from turnrl.rollout.groups import GroupSpec
 from turnrl.trainer.config import Config, load_config, resolved
-from turnrl.trainer.loop import WorkersSpec, episode_settings
+from turnrl.trainer.startup import WorkersSpec, episode_settings
 
 ray = pytest.importorskip("ray")
 

@@ -383,7 +383,7 @@ def test_an_asynchronous_run_s_vllm_engine_never_sleeps(monkeypatch: pytest.Monk
     training the engine samples while the learner updates, so it is off there (the
     default, sleep on a GPU, stays for synchronous runs)."""
     from turnrl.backends import vllm_backend
-    from turnrl.trainer.loop import vllm_sampler
+    from turnrl.trainer.startup import vllm_sampler
 
     asked: list[Any] = []
     monkeypatch.setattr(vllm_backend, "VLLMBackend", lambda *a, **k: asked.append(k["sleep"]))

@@ -1,4 +1,4 @@
-"""New weights taken mid-batch, between turns (backends/turn_sync.py; the pipeline's use of
+"""New weights taken mid-batch, between turns (protocols.TurnSync; the pipeline's use of
 it, ``algorithm.partial_rollouts``, is tested in tests/test_async.py): the torch engine lets
 the turns it is decoding finish, loads the weights on its own thread, then admits what
 waited. No turn mixes versions, episodes in flight go on with the new weights, and every
@@ -15,7 +15,7 @@ import torch
 import test_engine
 from conftest import gap_by_version
 from turnrl.backends.torch_backend import TorchBackend
-from turnrl.backends.turn_sync import TurnSync
+from turnrl.protocols import TurnSync
 from turnrl.types import Trajectory
 
 

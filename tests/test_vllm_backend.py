@@ -216,7 +216,7 @@ def test_a_request_joins_the_running_engine_when_it_is_ready(
 def test_new_weights_mid_batch_wait_for_the_turns_being_sampled(
     engine: VLLMBackend, vllm_model_dir: Path, caller: Any
 ) -> None:
-    """Partial rollouts (backends/turn_sync.py): once new weights are wanted, requests are
+    """Partial rollouts (protocols.TurnSync): once new weights are wanted, requests are
     held back until the ones in the engine finish, then the weights are loaded on the
     engine's thread and the held requests go in. No turn mixes versions."""
     tokenizer = load_tokenizer(vllm_model_dir)

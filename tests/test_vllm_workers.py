@@ -24,7 +24,7 @@ from turnrl.api import train  # noqa: E402
 from turnrl.distributed.rollout_workers import RolloutWorker  # noqa: E402
 from turnrl.envs import make_env_spec  # noqa: E402
 from turnrl.errors import ConfigError  # noqa: E402
-from turnrl.trainer import loop  # noqa: E402
+from turnrl.trainer import startup  # noqa: E402
 from turnrl.trainer.config import Config, load_config, resolved  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -63,13 +63,13 @@ def test_one_vllm_worker_gives_the_in_process_vllm_run(
     gap included, though with a worker it runs on the worker's engine: the driver builds
     none."""
     built: list[int] = []  # vLLM engines built in this process, per run
-    real = loop.vllm_sampler
+    real = startup.vllm_sampler
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         built[-1] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "vllm_sampler", counted)
+    monkeypatch.setattr(startup, "vllm_sampler", counted)
     runs = {}
     layouts = (
         ("in_process", 0), ("one", 1), ("object_store", 1, "cluster.weight_sync=object_store")

@@ -71,11 +71,17 @@ class Backend(Protocol):
     - ``run``: drive a rollout program (a coroutine of episodes) to completion;
     - ``sync``: after an optimizer step, take the learner's new weights (in place where
       the engine shares the model object), drop what the old weights computed (cached
-      keys and values), and bump ``policy_version``.
+      keys and values), and bump ``policy_version``;
+    - ``turn_sync``: new weights to take between the turns of the batch ``run`` serves
+      (``TurnSync``: partial rollouts); None, nothing wanted;
+    - ``sleep_metrics``: what releasing its memory between batches cost since the last call
+      (vLLM's sleep mode: ``perf/engine_sleep_s``, ``perf/engine_wake_s``); empty for an
+      engine that never sleeps.
     """
 
     policy_version: int
     pad_id: int
+    turn_sync: TurnSync | None
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]: ...
 
@@ -86,6 +92,32 @@ class Backend(Protocol):
     def run(self, program: Coroutine[Any, Any, T]) -> T: ...
 
     def sync(self, model: Any) -> None: ...
+
+    def sleep_metrics(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class TurnSync:
+    """New weights taken mid-batch, between turns (``algorithm.partial_rollouts``): what an
+    engine asks between decoding steps while it runs a batch (``Backend.turn_sync``).
+
+    In asynchronous training the engine samples the next batch while the learner updates.
+    Without partial rollouts the learner's new weights wait for that batch to end. With
+    them the engine takes them as soon as it can without splitting a turn: it stops
+    admitting requests, lets the completions it is decoding finish (each is one turn of one
+    episode, sampled by one version from its first token to its last), calls ``apply``,
+    then admits the requests that waited. The episodes in flight sample their next turns
+    with the new weights, and each turn records the version that sampled it
+    (``Completion.policy_version``). The trainer's pipeline sets it for the engine in its
+    process (trainer/pipeline.py), a rollout worker for its own
+    (distributed/rollout_workers.py). The engine asks ``wanted`` at each decoding step, so
+    it must be cheap, and calls ``apply`` on its own thread."""
+
+    wanted: Callable[[], bool]
+    """True while newer weights are waiting for the engine."""
+    apply: Callable[[], None]
+    """Load them (and move the engine's ``policy_version`` on); called on the engine's
+    thread, when no completion is being decoded."""
 
 
 @dataclass(frozen=True)
@@ -122,3 +154,37 @@ class Format(Protocol):
     def parse(self, text: str) -> ParsedAction: ...
 
     def render_results(self, results: Sequence[tuple[ToolCall, str]]) -> list[Message]: ...
+
+
+class ToolSchemas(Protocol):
+    """An episode's tools, as an environment holds them after ``reset`` (a ``ToolSet``)."""
+
+    def schemas(self) -> list[ToolSchema]: ...
+
+
+# An environment's optional members, beyond ``Env``: read here, in one place, so that the
+# layers above never probe an environment themselves. An environment without one is
+# not wrong: its turns are plain text, its tools are known only to its own episodes, or it
+# holds nothing to release.
+
+
+def env_format(env: Env) -> Format | None:
+    """The tool-call ``Format`` that parses ``env``'s turns (its ``format``: ``ToolEnv``,
+    the games, the agent environments), or None where it has none."""
+    fmt: Format | None = getattr(env, "format", None)
+    return fmt
+
+
+def env_tools(env: Env) -> ToolSchemas | None:
+    """The tools ``env`` holds after ``reset`` with their full schemas (its ``tools``,
+    whether or not its format puts them in the chat template), or None where it holds
+    none it can show."""
+    tools: ToolSchemas | None = getattr(env, "tools", None)
+    return tools
+
+
+async def close_env(env: Env) -> None:
+    """Let ``env`` release what it holds (its ``async def close()``, where it has one)."""
+    close = getattr(env, "close", None)
+    if close is not None:
+        await close()

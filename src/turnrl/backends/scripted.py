@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
+from turnrl.protocols import TurnSync
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
 T = TypeVar("T")
@@ -32,6 +33,9 @@ class ScriptedBackend:
         )
         self.requests: list[GenerationRequest] = []
         self.policy_version = 0
+        self.turn_sync: TurnSync | None = None
+        """New weights wanted mid-batch: taken (``apply``) before the next reply, nothing
+        being decoded between two."""
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id: int = int(pad if pad is not None else self.end_token_id)
 
@@ -48,7 +52,13 @@ class ScriptedBackend:
         """The script has no weights; only the version moves."""
         self.policy_version += 1
 
+    def sleep_metrics(self) -> dict[str, float]:
+        """Nothing: the script holds no memory to release."""
+        return {}
+
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        if self.turn_sync is not None and self.turn_sync.wanted():
+            self.turn_sync.apply()
         return [self._reply(r) for r in requests]
 
     def _reply(self, request: GenerationRequest) -> Completion:

@@ -36,7 +36,7 @@ from turnrl.backends.engine import DecodeBatch, Prefill, Waiter
 from turnrl.backends.hf_cache import returned_cache
 from turnrl.backends.lockstep import until_reacted
 from turnrl.backends.prefix_cache import LayerKV, PrefixCache
-from turnrl.backends.turn_sync import TurnSync
+from turnrl.protocols import TurnSync
 from turnrl.types import Completion, GenerationRequest
 
 T = TypeVar("T")
@@ -311,6 +311,10 @@ class TorchBackend:
             with torch.no_grad():
                 self.model.load_state_dict(weights)
         self.policy_version += 1
+
+    def sleep_metrics(self) -> dict[str, float]:
+        """Nothing: the torch engine never releases its memory between batches."""
+        return {}
 
     def submit(
         self,

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from turnrl.backends.lockstep import until_reacted
-from turnrl.backends.turn_sync import TurnSync
 from turnrl.errors import BackendError, ConfigError
+from turnrl.protocols import TurnSync
 from turnrl.types import Completion, FinishReason, GenerationRequest
 
 T = TypeVar("T")

@@ -56,8 +56,9 @@ from turnrl.models import load_model
 from turnrl.models.lora import add_lora, is_lora
 from turnrl.trainer.checkpoint import CheckpointWriteError, latest_checkpoint
 from turnrl.trainer.config import Config
-from turnrl.trainer.loop import LearnerSpec, RunResult, WorkersSpec
+from turnrl.trainer.loop import RunResult
 from turnrl.trainer.loop import train as train_in_loop
+from turnrl.trainer.startup import LearnerSpec, WorkersSpec
 from turnrl.types import Sample
 
 CALL_TIMEOUT_S = 900.0

@@ -61,7 +61,7 @@ from turnrl.rollout.batch import Batch
 from turnrl.trainer.config import AlgorithmConfig
 from turnrl.trainer.critic import Critic
 from turnrl.trainer.learner import Learner, Norms
-from turnrl.trainer.loop import checkpoint_activations
+from turnrl.trainer.startup import checkpoint_activations
 from turnrl.types import Sample
 
 ModelSource = str | Path | Callable[[], Any]

@@ -28,7 +28,7 @@ it in place through the engine's ``reload_weights``, as the in-process vLLM engi
 Partial rollouts (``algorithm.partial_rollouts``): after each update the driver also offers
 the learner's weights to every worker through the object store (``offer``), without
 waiting. A worker's engine takes them between two turns of the batch it samples (it lets
-the turns being decoded finish first: backends/turn_sync.py), or before the first turn of
+the turns being decoded finish first: protocols.TurnSync), or before the first turn of
 its next batch, so the syncs between batches find the workers up to date. Such an actor
 takes two calls at once (the offer arrives while ``collect`` runs).
 
@@ -69,7 +69,6 @@ import torch
 
 from turnrl.backends.together import Together
 from turnrl.backends.torch_backend import TorchBackend
-from turnrl.backends.turn_sync import TurnSync
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
 from turnrl.distributed.ranks_to_workers import ABORTED
@@ -89,11 +88,11 @@ from turnrl.envs import EnvSpec
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
 from turnrl.models.lora import is_lora
-from turnrl.protocols import Backend
+from turnrl.protocols import Backend, TurnSync
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.groups import GroupSpec, collect_groups
 from turnrl.trainer.config import Config
-from turnrl.trainer.loop import (
+from turnrl.trainer.startup import (
     WorkersSpec,
     autocast_dtype,
     engine_weights,
@@ -101,7 +100,7 @@ from turnrl.trainer.loop import (
     sampler_copy_dtype,
     vllm_sampler,
 )
-from turnrl.trainer.step import Groups
+from turnrl.trainer.workers import Groups
 from turnrl.types import Task
 
 START_TIMEOUT_S = 300.0
@@ -169,7 +168,7 @@ class RolloutWorker:
         self._offer_lock = threading.Lock()
         if config.algorithm.partial_rollouts:
             hook = TurnSync(self._offer_is_newer, self._take_offer)
-            self.backend.turn_sync = hook  # type: ignore[attr-defined]
+            self.backend.turn_sync = hook
         self.together = Together(self.backend.run, engine_thread)
         """Runs the calls' programs on the engine, together where they overlap."""
 

@@ -227,6 +227,10 @@ class Learner:
         ]
         return max((float(g.max()) for g in gaps if g.numel()), default=0.0)
 
+    def refresh_model(self) -> None:
+        """Nothing: ``model`` is what this learner trains, never behind its weights (a
+        learner on ranks brings them into it here before a checkpoint reads it)."""
+
     def step_samples_gae(
         self,
         samples: Sequence[Sample],

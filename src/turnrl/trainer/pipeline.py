@@ -12,7 +12,7 @@ it started with). The update weights the older samples with the behaviour log-pr
 
 Partial rollouts (``algorithm.partial_rollouts``): the engine also takes new weights
 mid-batch. After each update the loop publishes the learner's weights, and the engine,
-between two decoding steps, sees that newer weights wait (backends/turn_sync.py): it lets
+between two decoding steps, sees that newer weights wait (protocols.TurnSync): it lets
 the turns it is decoding finish, admits nothing new, loads the published weights, and
 goes on. An episode in flight then continues with the newer weights from its next turn:
 no turn mixes versions, but an episode may (``rollout/episodes_across_versions``), and its
@@ -68,8 +68,8 @@ from typing import Any, TextIO
 import torch
 
 from turnrl.backends.together import Together
-from turnrl.backends.turn_sync import TurnSync
-from turnrl.errors import ConfigError, TurnrlError
+from turnrl.errors import TurnrlError
+from turnrl.protocols import TurnSync
 from turnrl.trainer.step import (
     Collected,
     Row,
@@ -219,16 +219,11 @@ class Ahead:
 
     def take_weights_between_turns(self, t: Trainer) -> None:
         """Partial rollouts: give the engine the hook that syncs it mid-batch from the
-        published weights (backends/turn_sync.py). With rollout workers, which sample the
+        published weights (protocols.TurnSync). With rollout workers, which sample the
         batches, ``_offer`` after each update instead."""
         if t.workers is not None:
             return
-        if not hasattr(t.backend, "turn_sync"):
-            raise ConfigError(
-                f"algorithm.partial_rollouts: the engine ({type(t.backend).__name__}) cannot "
-                "take new weights between turns; the torch and vLLM backends can"
-            )
-        t.backend.turn_sync = TurnSync(  # type: ignore[attr-defined]
+        t.backend.turn_sync = TurnSync(
             wanted=lambda: self._newer(t), apply=lambda: self._between_turns(t)
         )
         self._hooked = t.backend

@@ -1,12 +1,15 @@
 """One training step, top to bottom: collect, rewards, select, advantages, update, sync.
 
-``Trainer`` holds what every step needs, built once by the loop (loop.py): the run's
+``Trainer`` holds what every step needs, built once at start-up (startup.py): the run's
 configuration, the environment family, the engine (any ``Backend``), the learner, the
 chat renderer, the episode limits and sampling settings, and the choices of the algorithm
 resolved to functions (``ESTIMATORS`` for the advantages, the learner's update). Each phase
 below is a plain function of it; ``train_step`` calls them in order and returns the step's
 metrics row. What lives elsewhere: the math (``turnrl.algorithms``), credit assignment over
-trajectories (credit.py), the loop with its evaluations, checkpoints and alarms (loop.py).
+trajectories (credit.py), the loop with its evaluations, checkpoints and alarms (loop.py),
+the run's start-up (startup.py); and what asynchronous training adds: the steps run with
+the next rollouts overlapped (pipeline.py), the staleness metrics (staleness.py), the
+rollout workers' protocol (workers.py).
 """
 
 from __future__ import annotations
@@ -17,14 +20,13 @@ import json
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import torch
 
 from turnrl.algorithms import (
     informative_groups,
     overlong_penalty,
-    policy_lag_metrics,
     top_variance_groups,
 )
 from turnrl.envs import EnvSpec
@@ -37,41 +39,15 @@ from turnrl.rollout.groups import GroupSpec, collect_groups, rollout_metrics
 from turnrl.trainer.config import Config
 from turnrl.trainer.credit import ESTIMATORS, KL, Estimator, SampleValues
 from turnrl.trainer.learner import Learner
+from turnrl.trainer.staleness import version_metrics
+from turnrl.trainer.workers import Groups, RolloutWorkers
 from turnrl.types import Sample, Task, Trajectory
 
 Row = dict[str, Any]
 T = TypeVar("T")
-Groups = list[list[Trajectory]]
 
 EXTRA_TASKS = 10**9
 """Task indices of dynamic sampling's extra rounds start here, away from the main stream."""
-
-
-class RolloutWorkers(Protocol):
-    """Engines with their environments beside this process (``cluster.rollout_workers``;
-    ``turnrl.distributed`` gives Ray actors): they run a batch's episodes instead of the
-    trainer's own engine, which then only probes the sampler at start-up."""
-
-    async def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
-        """``collect_groups`` of ``tasks`` with ``spec``, spread over the workers: the
-        groups in task order, every task's exactly once. It waits without blocking its
-        event loop, so several batches can be collected at once (overlapping batches)."""
-        ...
-
-    def sync(self, model: Any, version: int) -> dict[str, float]:
-        """Every worker takes ``model``'s weights as policy version ``version`` (between
-        batches, never while sampling); metrics of the sync."""
-        ...
-
-    def offer(self, model: Any, version: int) -> dict[str, float]:
-        """Partial rollouts: ``model``'s weights as ``version``, for every worker to take
-        between turns of the batch it samples (or before its next), without waiting;
-        metrics of the offer."""
-        ...
-
-    def take_metrics(self) -> dict[str, float]:
-        """What happened to the workers since the last call (restarts), as metrics."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -135,13 +111,12 @@ def sync_engines(t: Trainer, version: int | None = None, model: Any = None) -> R
     """After an update: the engine takes the learner's weights (or ``model``'s, a copy of
     them: trainer/pipeline.py) and its policy version moves on, or becomes ``version``; so
     do the rollout workers. The workers' sync metrics, and a sleeping engine's sleep and
-    wake times (``VLLMBackend.sleep_metrics``)."""
+    wake times (``Backend.sleep_metrics``)."""
     source = t.learner.model if model is None else model
     t.backend.sync(source)
     if version is not None:
         t.backend.policy_version = version
-    sleep_metrics = getattr(t.backend, "sleep_metrics", None)
-    row: Row = dict(sleep_metrics()) if sleep_metrics is not None else {}
+    row: Row = dict(t.backend.sleep_metrics())
     if t.workers is not None:
         row.update(t.workers.sync(source, t.backend.policy_version))
     return row
@@ -206,8 +181,7 @@ def update_phase(
     (the sampler's, in a synchronous run; up to ``algorithm.max_staleness`` newer than the
     trajectories' in an asynchronous one). The engine is not synced here (the caller does)."""
     groups, row = c.groups, c.row
-    versions = torch.tensor([x.oldest_version for g in c.sampled for x in g], dtype=torch.long)
-    lag = policy_lag_metrics(versions, learner_version)
+    versions = version_metrics(c.sampled, learner_version, t.config.algorithm)
     kl = shape_rewards(t, groups, row)  # 2. rewards: overlong penalty, a KL in the reward
     groups = select(t, groups, row)  # 3. StarPO-S variance filter
     values = t.estimator.assign(t.config.algorithm, groups, kl, shuffle_seed(t.config, step))  # 4.
@@ -216,50 +190,13 @@ def update_phase(
         row.update(t.update(samples, sample_values, t.backend.pad_id))  # 5. the policy update
 
     row = {"step": step + 1, **rollout_metrics(c.sampled), **row}
-    row.update({f"rollout/{name}": float(value) for name, value in lag.items()})
-    row.update(staleness_histogram(versions, learner_version, t.config.algorithm.max_staleness))
-    if t.config.algorithm.partial_rollouts:
-        row["rollout/episodes_across_versions"] = across_versions(c.sampled)
-        row["rollout/policy_lag_tokens_mean"] = token_lag(c.sampled, learner_version)
+    row.update(versions)  # how many policy versions behind the learner they were sampled
     row["rollout/dropped_errors"] = float(sum(x.error is not None for g in groups for x in g))
     if t.config.algorithm.overlong.filter:
         row["select/truncated_excluded"] = float(sum(x.truncated for g in groups for x in g))
     row["_tokens"] = sum(x.num_tokens for g in c.sampled for x in g)  # for ``timed``
     log_trajectories(t, step, groups, values, trajectories_out)
     return row
-
-
-def staleness_histogram(versions: torch.Tensor, learner_version: int, bound: int) -> Row:
-    """The share of the step's trajectories sampled ``d`` versions behind the learner, for
-    ``d`` in 0..``bound`` (``rollout/staleness_<d>``); a trajectory staler than ``bound``
-    raises (the pipeline must never hand one over)."""
-    lag = learner_version - versions
-    if versions.numel() and int(lag.max()) > bound:
-        raise ValueError(
-            f"a trajectory {int(lag.max())} versions behind the learner reached the update; "
-            f"algorithm.max_staleness is {bound}"
-        )
-    n = max(versions.numel(), 1)
-    return {f"rollout/staleness_{d}": float((lag == d).sum()) / n for d in range(bound + 1)}
-
-
-def across_versions(groups: Groups) -> float:
-    """The share of trajectories whose turns were sampled by more than one policy version
-    (partial rollouts: the engine took new weights while the episode was in flight)."""
-    trajectories = [x for g in groups for x in g]
-    mixed = sum(len({turn.policy_version for turn in x.turns}) > 1 for x in trajectories)
-    return mixed / max(len(trajectories), 1)
-
-
-def token_lag(groups: Groups, learner_version: int) -> float:
-    """How many versions behind the learner the step's sampled tokens are, on average:
-    with partial rollouts an episode's later turns are fresher than its oldest one, which
-    ``rollout/policy_lag_mean`` and the staleness histogram count it by."""
-    lags = [
-        (learner_version - turn.policy_version, len(turn.completion_ids))
-        for g in groups for x in g for turn in x.turns
-    ]  # fmt: skip
-    return sum(lag * n for lag, n in lags) / max(sum(n for _, n in lags), 1)
 
 
 async def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
