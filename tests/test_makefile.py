@@ -65,3 +65,10 @@ def test_the_vllm_venv_installs_only_what_the_main_lock_lacks() -> None:
     rest = [p for p in beyond.pins(vllm) if f"{p[0]}=={p[1]}" not in extra and p[0] != "torch"]
     assert len(rest) > 100
     assert all(p in held for p in rest)
+
+
+def test_the_demos_train_the_quick_start_and_the_real_model() -> None:
+    assert ".venv/bin/turnrl train --out runs/quickstart-" in dry_run("demo")
+    assert ".venv/bin/turnrl train smollm2_search_qa --out runs/smollm2_search_qa-" in dry_run(
+        "demo-real"
+    )
