@@ -1,30 +1,19 @@
-"""The training configuration: frozen dataclasses, a docstring per field, validated once.
+"""The configuration's schema: frozen dataclasses, a docstring per field, each section
+validating its own values when it is made.
 
-A recipe (a TOML file in recipes/) gives values by section; ``--set section.key=value``
-overrides them. Unknown keys and values of the wrong type are errors that name the key and
-say what was expected. Environment options are checked by the environment itself.
+Reading recipes and ``--set`` overrides into these is ``loading``; the ``auto`` choices are
+made in ``resolution``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import re
-import sys
-import types
-import typing
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, from PyPI
-    import tomli as tomllib
-
-from turnrl.errors import ConfigError, ConfigRenamed
+from turnrl.errors import ConfigError
 
 
 def _require(checks: list[tuple[bool, str]]) -> None:
@@ -33,10 +22,6 @@ def _require(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-
-
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-DEFAULT_RECIPE = "quickstart"
 
 
 @dataclass(frozen=True)
@@ -567,24 +552,6 @@ class AlgorithmConfig:
         )
 
 
-RENAMED = {
-    "eps_low": "clip.low", "eps_high": "clip.high", "dual_clip": "clip.dual",
-    "kl_coef": "kl.coef", "kl_estimator": "kl.estimator", "kl_placement": "kl.placement",
-    "dynamic_sampling": "filter.dynamic_sampling", "max_sample_rounds": "filter.max_rounds",
-    "variance_filter_keep": "filter.variance_keep",
-    "overlong_cache_tokens": "overlong.penalty_tokens", "overlong_filter": "overlong.filter",
-    "tis_cap": "off_policy.cap", "critic_lr": "critic.lr", "critic_epochs": "critic.epochs",
-    "value_clip": "critic.value_clip", "gae_gamma": "gae.gamma", "gae_lambda": "gae.lam",
-    "gae_level": "gae.level", "gae_turn_gamma": "gae.turn_gamma",
-    "whiten_advantages": "gae.whiten", "gigpo_gamma": "gigpo.gamma",
-    "gigpo_omega": "gigpo.omega", "micro_batch_size": "micro_batch.size",
-    "micro_batch_tokens": "micro_batch.tokens", "sequence_layout": "micro_batch.layout",
-}  # fmt: skip
-"""Flat ``algorithm`` keys of turnrl before 2026-11-26 -> their nested key (still read)."""
-RENAMED_IF_STRING = {"off_policy": "off_policy.correction", "critic": "critic.placement"}
-"""Keys that were strings and are now sections: a string goes to this key."""
-
-
 @dataclass(frozen=True)
 class WarmupConfig:
     """The syntax-only supervised warm-up (format demonstrations, random content)."""
@@ -824,308 +791,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-STARTUP_TOLERANCE = {"float32": 1e-3, "bf16-mixed": 0.1}
-"""``rollout.startup_tolerance`` when it is 0, by ``model.precision``."""
-
-
-def resolved(config: Config) -> Config:
-    """``config`` with its ``auto`` choices made: ``rollout.sampler_weights`` is ``bf16``
-    under bf16-mixed and ``shared`` otherwise (with the torch backend; vLLM ignores it); ``rollout.startup_tolerance`` 0 becomes
-    ``STARTUP_TOLERANCE`` of the sampler's precision; ``algorithm.off_policy.correction``
-    is ``token_tis`` under vLLM or a bf16 torch sampler (other numerics) or asynchronous
-    training (older weights) and ``none`` otherwise."""
-    r = config.rollout
-    bf16_mixed = config.model.precision == "bf16-mixed"
-    if r.sampler_weights == "auto" and r.backend == "torch":  # vLLM ignores it: kept auto
-        r = dataclasses.replace(r, sampler_weights="bf16" if bf16_mixed else "shared")
-    bf16_copy = r.backend == "torch" and r.sampler_weights == "bf16"
-    if r.startup_tolerance == 0.0:
-        precision = "bf16-mixed" if bf16_copy else config.model.precision
-        r = dataclasses.replace(r, startup_tolerance=STARTUP_TOLERANCE[precision])
-    config = dataclasses.replace(config, rollout=r)
-    off = config.algorithm.off_policy
-    if off.correction != "auto":
-        return config
-    other = r.backend == "vllm" or bf16_copy or config.algorithm.max_staleness > 0
-    made = dataclasses.replace(off, correction="token_tis" if other else "none")
-    algorithm = dataclasses.replace(config.algorithm, off_policy=made)
-    return dataclasses.replace(config, algorithm=algorithm)
-
-
-def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
-    renamed: list[str] = []
-    data = read_recipe(recipe or DEFAULT_RECIPE, renamed=renamed)
-    parsed = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        keys, value = key.strip().split("."), _parse_value(raw.strip())
-        parsed.append((_renamed_key(keys, value, renamed), value))
-    # env.name first: a new environment drops the recipe's options for the old one, and the
-    # options given beside it apply to the new one, in whatever order they were written.
-    for keys, value in sorted(parsed, key=lambda kv: kv[0] != ["env", "name"]):
-        if keys == ["env", "name"]:
-            _switch_env(data, value)
-        else:
-            _assign(data, keys, value)
-    if renamed:
-        warnings.warn(
-            "renamed settings (the old names still work): " + "; ".join(dict.fromkeys(renamed)),
-            ConfigRenamed,
-            stacklevel=2,
-        )
-    config: Config = build(Config, data, "")
-    return config
-
-
-def upgrade(data: dict[str, Any], renamed: list[str] | None = None) -> dict[str, Any]:
-    """Move flat ``algorithm`` keys of older recipes (``kl_coef``) to their sections
-    (``kl.coef``) in a raw settings table, in place; each move is added to ``renamed``."""
-    algo = data.get("algorithm")
-    if not isinstance(algo, dict):
-        return data
-    for old in list(algo):
-        new = _renamed_key(["algorithm", old], algo[old], renamed)
-        if new[1:] == [old]:
-            continue
-        value = algo.pop(old)
-        section = algo.setdefault(new[1], {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"algorithm.{new[1]} must be a table of settings, got {section!r}")
-        if new[2] in section:
-            raise ConfigError(
-                f"both algorithm.{old} (its old name) and algorithm.{'.'.join(new[1:])} are "
-                f"given: keep algorithm.{'.'.join(new[1:])}"
-            )
-        section[new[2]] = value
-    return data
-
-
-def _renamed_key(keys: list[str], value: Any, renamed: list[str] | None) -> list[str]:
-    """``keys`` under its current name (``algorithm.kl_coef`` -> ``algorithm.kl.coef``)."""
-    if len(keys) != 2 or keys[0] != "algorithm":
-        return keys
-    new = RENAMED.get(keys[1])
-    if new is None and isinstance(value, str):
-        new = RENAMED_IF_STRING.get(keys[1])
-    if new is None:
-        return keys
-    if renamed is not None:
-        renamed.append(f"algorithm.{keys[1]} is algorithm.{new}")
-    return ["algorithm", *new.split(".")]
-
-
-def _switch_env(data: dict[str, Any], name: Any) -> None:
-    """Set the environment's name; its options belong to one environment, so another name
-    starts from none (any preset combines with any environment)."""
-    env = data.get("env")
-    if not isinstance(env, dict) or env.get("name", EnvConfig.name) != name:
-        data["env"] = {"name": name}
-
-
-def read_recipe(
-    recipe: str, _seen: tuple[Path, ...] = (), renamed: list[str] | None = None
-) -> dict[str, Any]:
-    """A recipe's settings. A recipe may name another as ``base = "name"``: the base is read
-    first and the recipe's own keys override it, section by section (presets are a few
-    algorithm knobs on top of a probe recipe)."""
-    path = Path(recipe)
-    if path.suffix != ".toml":
-        path = RECIPES_DIR / f"{recipe}.toml"
-    if not path.is_file():
-        known = sorted(p.stem for p in RECIPES_DIR.glob("*.toml")) if RECIPES_DIR.is_dir() else []
-        raise ConfigError(f"no recipe {recipe!r} (looked for {path}); known recipes: {known}")
-    if path.resolve() in _seen:
-        chain = " -> ".join(p.stem for p in (*_seen, path.resolve()))
-        raise ConfigError(f"recipe bases form a cycle: {chain}")
-    try:
-        data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-    upgrade(data, renamed)
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base must be a recipe name, got {base!r}")
-    merged = read_recipe(base, (*_seen, path.resolve()), renamed)
-    _merge(merged, data)
-    return merged
-
-
-def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
-    for key, value in data.items():
-        if key == "env" and isinstance(value, dict) and "name" in value:
-            _switch_env(into, value["name"])  # the base's options were for its environment
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON, a 5,000-digit number, deep nesting
-        low = raw.lower()
-        return {"true": True, "false": False}.get(low, raw)
-
-
-def _assign(data: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = data
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {k} is not a section")
-    node[keys[-1]] = value
-
-
-def build(cls: type[Any], data: Any, where: str) -> Any:
-    """Build dataclass ``cls`` from nested dicts, checking keys and types."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'} must be a table of settings, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    if cls is EnvConfig:  # environment options are free-form here, checked by the env
-        if not isinstance(data.get("options", {}), dict):
-            raise ConfigError(f"{where}.options must be a table, got {data['options']!r}")
-        options = dict(data.get("options", {}))
-        options.update({k: v for k, v in data.items() if k not in ("name", "options")})
-        data = {"name": data.get("name", EnvConfig.name), "options": options}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else key
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(fields)}"
-            raise ConfigError(f"unknown config key {path!r}{hint}")
-        kwargs[key] = _coerce(hints[key], value, path)
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return build(tp, value, path)
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{path} must be one of {list(allowed)}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _coerce(arg, value, path)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{path}: {value!r} does not fit {tp}")
-    if origin is tuple:  # tuple[str, ...]: a list of names
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{path} must be a list of strings, got {value!r}")
-        return tuple(value)
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a table, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is type(None):
-        if value is None:
-            return None
-    else:
-        return value
-    raise ConfigError(f"{path} must be {getattr(tp, '__name__', tp)}, got {value!r}")
-
-
-CAPPED = frozenset({"token_tis", "sequence_tis", "sequence_mask", "token_mis", "sequence_mis"})
-"""The corrections that ``algorithm.off_policy.cap`` bounds."""
-
-
-def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
-    """(a setting, whether it has an effect under ``a``, when it does)."""
-    gae = a.advantage == "gae"
-    return [
-        ("critic", gae, "advantage = 'gae'"),
-        ("gae", gae, "advantage = 'gae'"),
-        ("gae.turn_gamma", gae and a.gae.level == "turn", "advantage = 'gae', gae.level = 'turn'"),
-        ("gigpo", a.advantage == "gigpo", "advantage = 'gigpo'"),
-        ("kl.estimator", a.kl.coef > 0, "kl.coef > 0"),
-        ("kl.placement", a.kl.coef > 0, "kl.coef > 0"),
-        ("off_policy.cap", a.off_policy.correction != "none", "off_policy.correction != 'none'"),
-        ("off_policy.cap", a.off_policy.correction in CAPPED,
-         f"off_policy.correction in {sorted(CAPPED)}"),
-        ("off_policy.min_ratio", a.off_policy.correction in BANDS,
-         f"off_policy.correction in {sorted(BANDS)}"),
-        ("off_policy.max_ratio", a.off_policy.correction in BANDS,
-         f"off_policy.correction in {sorted(BANDS)}"),
-        ("sapo", a.policy_loss == "sapo", "policy_loss = 'sapo'"),
-        ("clip.low", a.policy_loss != "sapo", "policy_loss != 'sapo'"),
-        ("clip.high", a.policy_loss != "sapo", "policy_loss != 'sapo'"),
-        ("filter.max_rounds", a.filter.dynamic_sampling, "filter.dynamic_sampling = true"),
-        ("clip.dual", a.policy_loss == "ppo", "policy_loss = 'ppo'"),
-        ("partial_rollouts", a.max_staleness > 0, "max_staleness >= 1"),
-        ("overlap_batches", a.max_staleness > 1, "max_staleness >= 2"),
-    ]  # fmt: skip
-
-
-def inert_settings(config: Config) -> list[str]:
-    """Settings changed from their defaults that do nothing under the chosen algorithm
-    (e.g. ``gigpo.omega`` under GRPO), one message each: a typo or a misunderstanding
-    is better caught before the run than after."""
-    out: dict[str, str] = {}
-    for name, active, when in _inert_rules(resolved(config).algorithm):
-        if active:
-            continue
-        for key, value in _changed(resolved(config).algorithm, AlgorithmConfig(), name):
-            out.setdefault(
-                key, f"algorithm.{key} = {value!r} has no effect: it applies only with {when}"
-            )
-    if config.rollout.backend == "vllm" and config.rollout.sampler_weights != "auto":
-        out["rollout.sampler_weights"] = (
-            f"rollout.sampler_weights = {config.rollout.sampler_weights!r} has no effect: "
-            "it applies only with rollout.backend = 'torch' (vLLM holds its own copy)"
-        )
-    c = config.cluster
-    if c.address and c.rollout_workers == 0 and c.learner_placement != "ray":
-        out["cluster.address"] = (
-            f"cluster.address = {c.address!r} has no effect: only rollout workers "
-            "(cluster.rollout_workers >= 1) and learner ranks placed by Ray "
-            "(cluster.learner_placement = 'ray') join a Ray cluster"
-        )
-    if c.weight_sync != "auto" and c.rollout_workers == 0:
-        out["cluster.weight_sync"] = (
-            f"cluster.weight_sync = {c.weight_sync!r} has no effect: it is how the weights "
-            "reach rollout workers (cluster.rollout_workers >= 1)"
-        )
-    return list(out.values())
-
-
-def _changed(obj: Any, default: Any, dotted: str) -> list[tuple[str, Any]]:
-    """(dotted key, value) of the settings under ``dotted`` that differ from ``default``."""
-    value, base = obj, default
-    for part in dotted.split("."):
-        value, base = getattr(value, part), getattr(base, part)
-    if not dataclasses.is_dataclass(value):
-        return [(dotted, value)] if value != base else []
-    return [
-        item
-        for f in dataclasses.fields(value)
-        for item in _changed(obj, default, f"{dotted}.{f.name}")
-    ]
 
 
 def field_help(cls: type[Any]) -> dict[str, str]:
