@@ -11,7 +11,7 @@ import tomllib
 
 from conftest import SMALL_RUN
 from turnrl.cli import main
-from turnrl.errors import ConfigError, ConfigRenamed
+from turnrl.errors import ConfigError
 from turnrl.trainer.config import Config, field_help, inert_settings, load_config
 from turnrl.trainer.loop import train
 
@@ -76,40 +76,19 @@ def test_sections_nest_and_show_under_their_own_headers(
     assert "[algorithm.kl]  # A KL to the reference policy" in out
 
 
-def test_an_old_recipe_still_trains_and_is_told_the_new_names(tmp_path: Path) -> None:
-    old = tmp_path / "old.toml"
-    old.write_text(
-        'base = "quickstart"\n[algorithm]\nkl_coef = 0.2\neps_high = 0.28\n'
-        'off_policy = "token_tis"\ntis_cap = 3.0\nmicro_batch_size = 16\n'
-    )
-    with pytest.warns(ConfigRenamed) as caught:
-        config = load_config(str(old), ["algorithm.gigpo_omega=0.5"])
-    message = str(caught[0].message)
-    for renamed in [
-        "algorithm.kl_coef is algorithm.kl.coef",
-        "algorithm.eps_high is algorithm.clip.high",
-        "algorithm.off_policy is algorithm.off_policy.correction",
-        "algorithm.tis_cap is algorithm.off_policy.cap",
-        "algorithm.micro_batch_size is algorithm.micro_batch.size",
-        "algorithm.gigpo_omega is algorithm.gigpo.omega",
-    ]:
-        assert renamed in message
-    a = config.algorithm
-    assert (a.kl.coef, a.clip.high, a.off_policy.correction, a.off_policy.cap) == (
-        0.2, 0.28, "token_tis", 3.0,
-    )  # fmt: skip
-    assert (a.micro_batch.size, a.gigpo.omega, a.clip.low) == (16, 0.5, 0.2)
-    # An old name over a base recipe's new one overrides it, like any other key.
-    assert load_config("quickstart").algorithm.kl.coef == 0.1
-
-
-def test_an_old_and_a_new_name_together_are_refused(tmp_path: Path) -> None:
-    both = tmp_path / "both.toml"
-    both.write_text("[algorithm]\nkl_coef = 0.2\n[algorithm.kl]\ncoef = 0.3\n")
-    with pytest.raises(ConfigError, match=r"keep algorithm\.kl\.coef"):
-        load_config(str(both))
+def test_an_unknown_key_names_the_nearest_setting_a_sub_section_included(
+    tmp_path: Path,
+) -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.kl\.coeff'"):
         load_config(None, ["algorithm.kl.coeff=0.1"])
+    with pytest.raises(ConfigError, match=r"'algorithm\.kl_coef'; did you mean 'kl\.coef'\?"):
+        load_config(None, ["algorithm.kl_coef=0.1"])
+    flat = tmp_path / "flat.toml"
+    flat.write_text('base = "quickstart"\n[algorithm]\neps_high = 0.28\n')
+    with pytest.raises(ConfigError, match=r"'algorithm\.eps_high'; did you mean 'clip\.high'\?"):
+        load_config(str(flat))
+    with pytest.raises(ConfigError, match=r"'rollout\.max_turn'; did you mean 'max_turns'\?"):
+        load_config(None, ["rollout.max_turn=3"])
 
 
 def test_the_cluster_section_is_shown_and_bad_values_are_refused(

@@ -11,10 +11,6 @@ class ConfigError(TurnrlError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
-class ConfigRenamed(FutureWarning):
-    """A setting was given under a name turnrl has replaced; the old name still works."""
-
-
 class TemplateError(TurnrlError):
     """A tokenizer's chat template cannot render what turnrl needs (e.g. no tool support)."""
 

@@ -11,12 +11,9 @@ overrides and coercion) and ``resolution`` (the ``auto`` choices, settings witho
 from turnrl.trainer.config.loading import (
     DEFAULT_RECIPE,
     RECIPES_DIR,
-    RENAMED,
-    RENAMED_IF_STRING,
     build,
     load_config,
     read_recipe,
-    upgrade,
 )
 from turnrl.trainer.config.resolution import (
     CAPPED,
@@ -56,8 +53,6 @@ __all__ = [
     "CAPPED",
     "DEFAULT_RECIPE",
     "RECIPES_DIR",
-    "RENAMED",
-    "RENAMED_IF_STRING",
     "STARTUP_TOLERANCE",
     "AlgorithmConfig",
     "ClipConfig",
@@ -87,5 +82,4 @@ __all__ = [
     "load_config",
     "read_recipe",
     "resolved",
-    "upgrade",
 ]

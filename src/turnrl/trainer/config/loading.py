@@ -10,7 +10,6 @@ import json
 import sys
 import types
 import typing
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,42 +18,22 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from turnrl.errors import ConfigError, ConfigRenamed
+from turnrl.errors import ConfigError
 from turnrl.trainer.config.schema import Config, EnvConfig
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "quickstart"
 
 
-RENAMED = {
-    "eps_low": "clip.low", "eps_high": "clip.high", "dual_clip": "clip.dual",
-    "kl_coef": "kl.coef", "kl_estimator": "kl.estimator", "kl_placement": "kl.placement",
-    "dynamic_sampling": "filter.dynamic_sampling", "max_sample_rounds": "filter.max_rounds",
-    "variance_filter_keep": "filter.variance_keep",
-    "overlong_cache_tokens": "overlong.penalty_tokens", "overlong_filter": "overlong.filter",
-    "tis_cap": "off_policy.cap", "critic_lr": "critic.lr", "critic_epochs": "critic.epochs",
-    "value_clip": "critic.value_clip", "gae_gamma": "gae.gamma", "gae_lambda": "gae.lam",
-    "gae_level": "gae.level", "gae_turn_gamma": "gae.turn_gamma",
-    "whiten_advantages": "gae.whiten", "gigpo_gamma": "gigpo.gamma",
-    "gigpo_omega": "gigpo.omega", "micro_batch_size": "micro_batch.size",
-    "micro_batch_tokens": "micro_batch.tokens", "sequence_layout": "micro_batch.layout",
-}  # fmt: skip
-"""Flat ``algorithm`` keys of turnrl before 2026-11-26 -> their nested key (still read)."""
-RENAMED_IF_STRING = {"off_policy": "off_policy.correction", "critic": "critic.placement"}
-"""Keys that were strings and are now sections: a string goes to this key."""
-
-
 def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
-    renamed: list[str] = []
-    data = read_recipe(recipe or DEFAULT_RECIPE, renamed=renamed)
+    data = read_recipe(recipe or DEFAULT_RECIPE)
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        keys, value = key.strip().split("."), _parse_value(raw.strip())
-        parsed.append((_renamed_key(keys, value, renamed), value))
+        parsed.append((key.strip().split("."), _parse_value(raw.strip())))
     # env.name first: a new environment drops the recipe's options for the old one, and the
     # options given beside it apply to the new one, in whatever order they were written.
     for keys, value in sorted(parsed, key=lambda kv: kv[0] != ["env", "name"]):
@@ -62,51 +41,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...
             _switch_env(data, value)
         else:
             _assign(data, keys, value)
-    if renamed:
-        warnings.warn(
-            "renamed settings (the old names still work): " + "; ".join(dict.fromkeys(renamed)),
-            ConfigRenamed,
-            stacklevel=2,
-        )
     config: Config = build(Config, data, "")
     return config
-
-
-def upgrade(data: dict[str, Any], renamed: list[str] | None = None) -> dict[str, Any]:
-    """Move flat ``algorithm`` keys of older recipes (``kl_coef``) to their sections
-    (``kl.coef``) in a raw settings table, in place; each move is added to ``renamed``."""
-    algo = data.get("algorithm")
-    if not isinstance(algo, dict):
-        return data
-    for old in list(algo):
-        new = _renamed_key(["algorithm", old], algo[old], renamed)
-        if new[1:] == [old]:
-            continue
-        value = algo.pop(old)
-        section = algo.setdefault(new[1], {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"algorithm.{new[1]} must be a table of settings, got {section!r}")
-        if new[2] in section:
-            raise ConfigError(
-                f"both algorithm.{old} (its old name) and algorithm.{'.'.join(new[1:])} are "
-                f"given: keep algorithm.{'.'.join(new[1:])}"
-            )
-        section[new[2]] = value
-    return data
-
-
-def _renamed_key(keys: list[str], value: Any, renamed: list[str] | None) -> list[str]:
-    """``keys`` under its current name (``algorithm.kl_coef`` -> ``algorithm.kl.coef``)."""
-    if len(keys) != 2 or keys[0] != "algorithm":
-        return keys
-    new = RENAMED.get(keys[1])
-    if new is None and isinstance(value, str):
-        new = RENAMED_IF_STRING.get(keys[1])
-    if new is None:
-        return keys
-    if renamed is not None:
-        renamed.append(f"algorithm.{keys[1]} is algorithm.{new}")
-    return ["algorithm", *new.split(".")]
 
 
 def _switch_env(data: dict[str, Any], name: Any) -> None:
@@ -117,9 +53,7 @@ def _switch_env(data: dict[str, Any], name: Any) -> None:
         data["env"] = {"name": name}
 
 
-def read_recipe(
-    recipe: str, _seen: tuple[Path, ...] = (), renamed: list[str] | None = None
-) -> dict[str, Any]:
+def read_recipe(recipe: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe's settings. A recipe may name another as ``base = "name"``: the base is read
     first and the recipe's own keys override it, section by section (presets are a few
     algorithm knobs on top of a probe recipe)."""
@@ -136,13 +70,12 @@ def read_recipe(
         data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-    upgrade(data, renamed)
     base = data.pop("base", None)
     if base is None:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base must be a recipe name, got {base!r}")
-    merged = read_recipe(base, (*_seen, path.resolve()), renamed)
+    merged = read_recipe(base, (*_seen, path.resolve()))
     _merge(merged, data)
     return merged
 
@@ -190,11 +123,22 @@ def build(cls: type[Any], data: Any, where: str) -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(fields)}"
-            raise ConfigError(f"unknown config key {path!r}{hint}")
+            raise ConfigError(f"unknown config key {path!r}{_nearest(key, fields, hints)}")
         kwargs[key] = _coerce(hints[key], value, path)
     return cls(**kwargs)
+
+
+def _nearest(key: str, fields: dict[str, Any], hints: dict[str, Any]) -> str:
+    """A hint for an unknown ``key``: the nearest setting of the section, a key of a
+    sub-section included (``kl_coef`` is near ``kl.coef``), else the section's keys."""
+    near = {name: name for name in fields}
+    for name in fields:
+        if isinstance(hints[name], type) and dataclasses.is_dataclass(hints[name]):
+            near.update(
+                {f"{name}_{f.name}": f"{name}.{f.name}" for f in dataclasses.fields(hints[name])}
+            )
+    close = difflib.get_close_matches(key, list(near), n=1)
+    return f"; did you mean {near[close[0]]!r}?" if close else f"; known: {sorted(fields)}"
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
