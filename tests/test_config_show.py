@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import inspect
 import logging
 from pathlib import Path
 
@@ -12,8 +14,11 @@ import tomllib
 from conftest import SMALL_RUN
 from turnrl.cli import main
 from turnrl.errors import ConfigError
-from turnrl.trainer.config import Config, field_help, inert_settings, load_config
+from turnrl.trainer.config import Config, RolloutConfig, field_help, inert_settings, load_config
+from turnrl.trainer.config.help import HELP
 from turnrl.trainer.loop import train
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_show_prints_the_resolved_config_as_toml_with_help(
@@ -43,6 +48,30 @@ def test_every_setting_has_help() -> None:
         return out
 
     assert missing(Config()) == []
+
+
+def test_the_help_table_is_the_docstrings_and_needs_no_source(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location("config_help", ROOT / "dev" / "config_help.py")
+    assert spec is not None
+    assert spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    table = generator.schema_help()
+    assert table == HELP, "a docstring changed: run `python dev/config_help.py`"
+    assert (ROOT / "src/turnrl/trainer/config/help.py").read_text() == generator.render(table)
+    assert main(["config", "show", "dapo"]) == 0
+    shown = capsys.readouterr().out
+
+    def no_source(obj: object) -> str:
+        raise OSError("no source in this build")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    monkeypatch.setattr(inspect, "getsourcelines", no_source)
+    assert field_help(RolloutConfig)["max_turns"] == "Model turns per episode."
+    assert main(["config", "show", "dapo"]) == 0
+    assert capsys.readouterr().out == shown
 
 
 def test_a_setting_without_effect_is_named_and_warned_once(

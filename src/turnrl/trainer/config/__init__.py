@@ -5,7 +5,8 @@ overrides them. Unknown keys and values of the wrong type are errors that name t
 say what was expected. Environment options are checked by the environment itself.
 
 Three modules: ``schema`` (the dataclasses and their help), ``loading`` (recipes, TOML,
-overrides and coercion) and ``resolution`` (the ``auto`` choices, settings without effect).
+overrides and coercion) and ``resolution`` (the ``auto`` choices, settings without effect);
+``help`` is the settings' one-line help, generated from the schema's docstrings.
 """
 
 from turnrl.trainer.config.loading import (

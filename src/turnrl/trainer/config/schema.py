@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from turnrl.errors import ConfigError
+from turnrl.trainer.config.help import HELP
 
 
 def _require(checks: list[tuple[bool, str]]) -> None:
@@ -794,27 +795,11 @@ class Config:
 
 
 def field_help(cls: type[Any]) -> dict[str, str]:
-    """Each field's docstring (the string under it in the class body), first sentence."""
-    import ast
-    import inspect
+    """Each field's docstring (the string under it in the class body), first sentence.
 
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source (a frozen build): no help, not an error
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    out = {}
-    for node, after in zip(body, [*body[1:], None], strict=True):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            text = " ".join(after.value.value.split())
-            out[node.target.id] = text.split(". ")[0].rstrip(".") + "."
-    return out
+    Read from ``help.HELP``, a table generated from these docstrings (dev/config_help.py):
+    Python keeps no attribute docstring at run time, and a build may ship no source."""
+    return dict(HELP.get(cls.__name__, {}))
 
 
 def describe(config: Config) -> list[str]:
