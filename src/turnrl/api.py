@@ -8,7 +8,7 @@ families (``turnrl.envs``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from turnrl.envs import make_env_spec
 from turnrl.envs.agent import Agent, AgentEnvironment, ModelErrors, Reward
 from turnrl.envs.custom import as_environment
 from turnrl.errors import ConfigError
-from turnrl.trainer.config import Config, EnvConfig, load_config
+from turnrl.trainer.config import Config, EnvConfig, load_config, parse_override
 from turnrl.trainer.loop import RunResult
 from turnrl.trainer.loop import train as _train_loop
 
@@ -31,14 +31,17 @@ def train(
     model_errors: ModelErrors = (),
     model_error_reward: Reward | None = None,
     out: str | Path | None = None,
+    config: Mapping[str, Any] | None = None,
     overrides: Sequence[str] = (),
     resume: bool = False,
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """Train: ``recipe`` (a preset or recipe name, a .toml path, a ``Config``, or None
-    for the quick-start) with ``overrides`` (``"section.key=value"``, as ``--set``), on
-    ``env``, into ``out`` (default ``runs/<name>``).
+    for the quick-start) with ``config``'s settings (dotted keys to typed values,
+    ``{"rollout.max_turns": 4}``, checked exactly as ``--set`` checks them; or
+    ``overrides``, ``--set``'s strings, ``["rollout.max_turns=4"]``), on ``env``, into
+    ``out`` (default ``runs/<name>``).
 
     ``env`` is an environment family: an object with ``task(index, split)`` and
     ``make_env()`` (e.g. ``turnrl.Environment``), a function returning one, a registered
@@ -56,11 +59,10 @@ def train(
     (``turnrl.distributed``); 0, the default for both, trains in this process.
     """
     if isinstance(recipe, Config):
-        if overrides:
-            raise ConfigError("pass overrides with a recipe name, or build the Config yourself")
-        config = recipe
+        settings = [*map(parse_override, overrides), *(config or {}).items()]
+        run_config = recipe.with_(dict(settings)) if settings else recipe
     else:
-        config = load_config(None if recipe is None else str(recipe), list(overrides))
+        run_config = load_config(None if recipe is None else str(recipe), overrides, config)
     spec = None
     if agent is not None:
         if env is not None:
@@ -68,11 +70,13 @@ def train(
         if tasks is None or reward is None:
             raise ConfigError("an agent needs tasks= and reward=(task, answer, transcript)")
         env = AgentEnvironment(
-            agent, tasks, reward, format=_family_format(config), model_errors=model_errors,
+            agent, tasks, reward, format=_family_format(run_config), model_errors=model_errors,
             model_error_reward=model_error_reward,
         )  # fmt: skip
         try:
-            return train(config, env=env, out=out, resume=resume, progress=progress, on_row=on_row)
+            return train(
+                run_config, env=env, out=out, resume=resume, progress=progress, on_row=on_row
+            )
         finally:
             env.close()
     elif tasks is not None or reward is not None or model_errors or model_error_reward:
@@ -81,7 +85,7 @@ def train(
             "environment has its own"
         )
     if isinstance(env, str):
-        config = dataclasses.replace(config, env=EnvConfig(name=env))
+        run_config = dataclasses.replace(run_config, env=EnvConfig(name=env))
         spec = make_env_spec(env)
     elif env is not None:
         if callable(env) and not hasattr(env, "make_env"):
@@ -92,21 +96,23 @@ def train(
                 f"got {type(env).__name__}"
             )
         spec = as_environment(env)
-        config = dataclasses.replace(
-            config, env=EnvConfig(name=str(getattr(spec, "name", "custom")))
+        run_config = dataclasses.replace(
+            run_config, env=EnvConfig(name=str(getattr(spec, "name", "custom")))
         )
     else:  # the recipe's
-        spec = make_env_spec(config.env.name, **config.env.options)
-    spec = as_environment(spec, format=_family_format(config))  # for episodes naming none
-    run_dir = Path(out) if out is not None else Path("runs") / config.name
-    c = config.cluster
+        spec = make_env_spec(run_config.env.name, **run_config.env.options)
+    spec = as_environment(spec, format=_family_format(run_config))  # for episodes naming none
+    run_dir = Path(out) if out is not None else Path("runs") / run_config.name
+    c = run_config.cluster
     if c.learner_ranks >= 1 or c.rollout_workers >= 1:  # processes of their own
         from turnrl.distributed.driver import train as _train_with_group
 
         return _train_with_group(
-            config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec
+            run_config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec
         )
-    return _train_loop(config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec)
+    return _train_loop(
+        run_config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec
+    )
 
 
 def _family_format(config: Config) -> str:

@@ -12,8 +12,10 @@ overrides and coercion) and ``resolution`` (the ``auto`` choices, settings witho
 from turnrl.trainer.config.loading import (
     DEFAULT_RECIPE,
     RECIPES_DIR,
+    apply_settings,
     build,
     load_config,
+    parse_override,
     read_recipe,
 )
 from turnrl.trainer.config.resolution import (
@@ -76,11 +78,13 @@ __all__ = [
     "RolloutConfig",
     "SAPOConfig",
     "WarmupConfig",
+    "apply_settings",
     "build",
     "describe",
     "field_help",
     "inert_settings",
     "load_config",
+    "parse_override",
     "read_recipe",
     "resolved",
 ]

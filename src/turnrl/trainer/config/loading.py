@@ -10,6 +10,7 @@ import json
 import sys
 import types
 import typing
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,15 +26,40 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "quickstart"
 
 
-def load_config(recipe: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides."""
+def load_config(
+    recipe: str | None = None,
+    overrides: Sequence[str] = (),
+    settings: Mapping[str, Any] | None = None,
+) -> Config:
+    """Read a recipe (a name in recipes/ or a .toml path), apply ``key=value`` overrides
+    (``--set``'s strings, each value read as JSON, else as a string), then ``settings``:
+    dotted keys to typed values (``{"rollout.max_turns": 4}``), checked exactly as
+    ``--set``'s."""
     data = read_recipe(recipe or DEFAULT_RECIPE)
+    return apply_settings(data, [*map(parse_override, overrides), *(settings or {}).items()])
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"rollout.max_turns=4"`` -> ``("rollout.max_turns", 4)``: the value is read as
+    JSON, else ``true``/``false`` in any case, else kept as the string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    return key.strip(), _parse_value(raw.strip())
+
+
+def apply_settings(data: dict[str, Any], settings: Iterable[tuple[str, Any]]) -> Config:
+    """The ``Config`` of raw settings ``data`` (a recipe's tables, in place) with each
+    (dotted key, value) of ``settings`` set: every key and type checked, the sections
+    validated. A section's value may be a table or a section (``RolloutConfig(...)``); it
+    replaces the whole section."""
     parsed = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        parsed.append((key.strip().split("."), _parse_value(raw.strip())))
+    for key, value in settings:
+        if not isinstance(key, str) or not all(key.split(".")):
+            raise ConfigError(f"a setting is a dotted key such as 'rollout.max_turns', got {key!r}")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        parsed.append((key.split("."), value))
     # env.name first: a new environment drops the recipe's options for the old one, and the
     # options given beside it apply to the new one, in whatever order they were written.
     for keys, value in sorted(parsed, key=lambda kv: kv[0] != ["env", "name"]):

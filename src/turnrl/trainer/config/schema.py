@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -792,6 +793,18 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def with_(self, settings: Mapping[str, Any] | None = None, /, **more: Any) -> Config:
+        """A copy with ``settings`` changed: dotted keys to typed values,
+        ``config.with_({"rollout.max_turns": 4, "algorithm.kl.coef": 0.0})``; top-level
+        keys also as keywords, ``config.with_(steps=100)``. Checked exactly as ``--set``
+        checks them: an unknown key or a value of the wrong type is a ``ConfigError``
+        naming it (a string is not read as a number here: ``"4"`` is refused where an int
+        is expected). ``env.name`` to another environment drops the options of the old
+        one."""
+        from turnrl.trainer.config.loading import apply_settings
+
+        return apply_settings(self.to_dict(), [*(settings or {}).items(), *more.items()])
 
 
 def field_help(cls: type[Any]) -> dict[str, str]:
