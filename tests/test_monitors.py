@@ -46,6 +46,7 @@ def run_stream(
     """A healthy run (step 0 is the evaluation-only row, as in the loop); ``probs(step,
     rng)`` replaces the per-prompt success probabilities."""
     rng = random.Random(seed)
+    speed = random.Random(seed + 1000)  # apart: the other metrics stay what they were
     rows: list[Row] = [{"step": 0, "eval/success_mean": 0.1}]
     for step in range(1, num_steps + 1):
         p = probs(step, rng) if probs else [rng.random() for _ in range(P)]
@@ -54,6 +55,7 @@ def run_stream(
         row["loss/entropy"] = 0.8 - 0.001 * step + rng.gauss(0.0, 0.04)  # a slow, healthy fall
         row["train/grad_norm"] = 0.3 * rng.lognormvariate(0.0, 0.5)
         row["train/logprob_mismatch"] = 1e-3 * rng.lognormvariate(0.0, 0.3)
+        row["perf/tokens_per_s"] = 150.0 * speed.lognormvariate(0.0, 0.4)  # a shared machine
         rows.append(row)
     return rows
 
@@ -220,6 +222,7 @@ def _add(metric: str, amount: Callable[[int], float]) -> Callable[[list[Row]], N
         ("tool_calls_drop", _scale("rollout/tool_calls_mean", lambda t: max(0.1, 1 - max(0, t - 60) / 40))),
         ("logprob_mismatch_rise", _add("train/logprob_mismatch", lambda t: 1e-3 * max(0, t - 60))),
         ("zero_variance_rise", _add("rollout/zero_variance_groups_frac", lambda t: 0.01 * max(0, t - 60))),
+        ("slowdown", _scale("perf/tokens_per_s", lambda t: 0.1 if t >= 60 else 1.0)),
     ],
 )  # fmt: skip
 def test_each_failure_fires_its_alarm_once(name: str, change: Callable[[list[Row]], None]) -> None:
@@ -229,6 +232,21 @@ def test_each_failure_fires_its_alarm_once(name: str, change: Callable[[list[Row
     assert [a.name for a in alarms] == [name]
     assert 60 <= alarms[0].step <= 100
     assert alarms[0].advice
+
+
+def test_slowdown_measured_in_real_runs() -> None:
+    """SmolLM2-135M on search_qa, 2026-11-29: each step's sampled tokens per second while
+    a test suite shared the 2 cores (48-159: a busy machine, no alarm), then one run's
+    step 10 at 2 torch threads beside 3 other jobs (20 tokens/s, 13x slower): the alarm
+    fires once that lasts for the recent window."""
+    busy = [115, 116, 88, 97, 72, 77, 151, 151, 129, 120, 98, 74, 64, 65, 48, 69,
+            91, 141, 107, 78, 148, 121, 98, 91, 87, 89, 126, 156, 155, 154, 155, 159]  # fmt: skip
+    rows: list[Row] = [{"step": i + 1, "perf/tokens_per_s": v} for i, v in enumerate(busy)]
+    assert alarms_of(rows) == []
+    rows += [{"step": len(rows) + i + 1, "perf/tokens_per_s": 20.0} for i in range(10)]
+    (alarm,) = alarms_of(rows)
+    assert (alarm.name, alarm.step) == ("slowdown", len(busy) + 6)
+    assert alarms_of(rows, MonitorConfig(slowdown_frac=0.0)) == []
 
 
 def test_the_warm_up_suppresses_alarms() -> None:

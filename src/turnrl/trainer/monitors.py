@@ -145,6 +145,7 @@ def default_rules(config: MonitorConfig) -> tuple[Rule, ...]:
     grad_norm_spike        the latest grad norm > 10 x its trailing level
     tool_calls_drop        tool calls per episode < 0.5 x their best level, and 0.1 below it
     logprob_mismatch_rise  mismatch > 2 x its lowest level + 0.01 nats per token
+    slowdown               sampled tokens per second < 0.25 x their best level
     =====================  ==============================================================
 
     The ratios are ``config``'s fields; the absolute margins are fixed here. "best",
@@ -203,6 +204,14 @@ def default_rules(config: MonitorConfig) -> tuple[Rule, ...]:
             "the sampler's and the learner's log-probabilities are drifting apart, so updates "
             "are off-policy: check weight sync, dtypes and sampler settings, or correct with "
             "truncated importance sampling (TIS).",
+        ),
+        Rule(
+            "slowdown", "perf/tokens_per_s", "fall", "record", c.slowdown_frac, 0.0,
+            "steps take several times longer than earlier in this run for the same kind of "
+            "work: another job is probably sharing the cores (torch's threads slow each other "
+            "down many times over when they do) or memory is swapping; check the load "
+            "average and free memory, stop the other job, or set `threads` below the free "
+            "cores.",
         ),
     )  # fmt: skip
 

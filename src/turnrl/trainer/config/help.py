@@ -140,6 +140,7 @@ HELP: dict[str, dict[str, str]] = {
         "tool_calls_frac": "Tool calls per episode falling below this fraction of their best level (and by 0.1).",
         "solved_success": "Success rate (median of the last ``window`` steps) at which falling entropy, falling in-group reward std and rising zero-variance groups count as convergence, not collapse: those three alarms stay quiet.",
         "mismatch_rise": "Sampler/learner log-prob mismatch rising above this multiple of its lowest level (plus 0.01 nats per token).",
+        "slowdown_frac": "Sampled tokens per second of a step falling below this fraction of its best level: another job is sharing the cores, or memory is swapping.",
     },
     "ClusterConfig": {
         "learner_ranks": "Learner processes: 0 trains in this process (the reference); N >= 1 runs a ``LearnerGroup`` of N ranks under FSDP2 (gloo on a CPU, NCCL with one GPU per rank), whose update equals the in-process one within 1e-5.",

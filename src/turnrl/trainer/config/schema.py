@@ -650,6 +650,9 @@ class MonitorConfig:
     mismatch_rise: float = 2.0
     """Sampler/learner log-prob mismatch rising above this multiple of its lowest level
     (plus 0.01 nats per token)."""
+    slowdown_frac: float = 0.25
+    """Sampled tokens per second of a step falling below this fraction of its best level:
+    another job is sharing the cores, or memory is swapping. 0 turns it off."""
 
     def __post_init__(self) -> None:
         # Checked here rather than in Config: monitors also run on their own (replaying a
@@ -670,6 +673,7 @@ class MonitorConfig:
             (self.grad_norm_spike > 1.0, "monitor.grad_norm_spike must be > 1"),
             (0.0 < self.tool_calls_frac < 1.0, "monitor.tool_calls_frac must be in (0, 1)"),
             (self.mismatch_rise > 1.0, "monitor.mismatch_rise must be > 1"),
+            (0.0 <= self.slowdown_frac < 1.0, "monitor.slowdown_frac must be in [0, 1)"),
             (self.solved_success > 0.0, "monitor.solved_success must be > 0"),
         ]
         _require(checks)
