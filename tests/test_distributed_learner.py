@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from test_learner import algo
-from turnrl.distributed import LearnerGroup, LearnerRankError, wire
+from turnrl.distributed import LearnerGroup, LearnerRankError, message_pickle
 from turnrl.distributed.learner_group import shard_by_tokens, split_batch
 from turnrl.distributed.rank import (
     ShardedLearner,
@@ -702,9 +702,9 @@ def test_a_group_on_the_gpu_over_nccl_equals_the_in_process_learner(tiny_model_d
 
 def test_a_message_to_or_from_a_rank_is_a_snapshot_shared_with_no_process() -> None:
     weights = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3)}
-    data = wire.encode(("ok", weights))
+    data = message_pickle.encode(("ok", weights))
     weights["w"].add_(100.0)  # the sender goes on changing its live tensors
-    status, got = wire.decode(data)
+    status, got = message_pickle.decode(data)
     assert status == "ok"
     assert torch.equal(got["w"], torch.arange(6.0).reshape(2, 3))
     assert int(got["step"]) == 3
@@ -728,7 +728,7 @@ WIRE_TENSORS = {
 @pytest.mark.parametrize("name", sorted(WIRE_TENSORS))
 def test_a_tensor_crosses_the_wire_exactly(name: str) -> None:
     sent = WIRE_TENSORS[name]
-    got = wire.decode(wire.encode({"t": sent}))["t"]
+    got = message_pickle.decode(message_pickle.encode({"t": sent}))["t"]
     assert type(got) is type(sent)
     assert (got.dtype, got.shape, got.requires_grad) == (sent.dtype, sent.shape, sent.requires_grad)
     assert torch.equal(got.detach().resolve_conj(), sent.detach().resolve_conj())
@@ -738,8 +738,8 @@ def test_a_message_holds_a_tensors_bytes_and_little_else_and_a_tied_one_stays_on
     """A tensor under two names (tied embeddings) is sent once and arrives as one
     tensor."""
     w = torch.randn(256, 256)
-    data = wire.encode({"embed": w, "head": w})
+    data = message_pickle.encode({"embed": w, "head": w})
     assert w.nbytes < len(data) < w.nbytes + 1024
-    got = wire.decode(data)
+    got = message_pickle.decode(data)
     assert got["embed"] is got["head"]
     assert torch.equal(got["embed"], w)

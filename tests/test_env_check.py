@@ -24,7 +24,7 @@ from turnrl.envs import (
     make_env_spec,
 )
 from turnrl.envs.policy import Policy
-from turnrl.envs.probes import PROBES, Clues, answer_turn, shown_options
+from turnrl.envs.reward_hack_probes import PROBES, Clues, answer_turn, shown_options
 from turnrl.formats import FORMATS, get_format
 from turnrl.protocols import ToolSchema
 from turnrl.rewards import Verdict

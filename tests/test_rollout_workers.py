@@ -702,7 +702,7 @@ def test_batches_collected_at_once_run_together_on_a_worker_replaced_once_if_it_
     (tmp_path / "slow").touch()  # each batch's episodes wait a while: the other comes
     try:
         together = asyncio.run(both())
-        most = workers.actors[0].__ray_call__.remote(lambda w: w.together.most_at_once)
+        most = workers.actors[0].__ray_call__.remote(lambda w: w.programs.most_at_once)
         assert ray.get(most, timeout=60) == 2
         (tmp_path / "kill").touch()
         again = asyncio.run(both())

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from turnrl.distributed import weight_broadcast
+from turnrl.distributed.message_pickle import decode, encode
 from turnrl.distributed.weight_broadcast import (
     BroadcastAborted,
     Member,
@@ -25,7 +26,6 @@ from turnrl.distributed.weight_broadcast import (
     buckets,
     layout_of,
 )
-from turnrl.distributed.wire import decode, encode
 
 TIMEOUT_S = 30.0
 
@@ -68,8 +68,8 @@ def receiver_process(rendezvous: Rendezvous, rank: int, plan: list[str], out: An
             time.sleep(TIMEOUT_S)
             return
         got = receiver.receive(layout, n)
-        # By value (wire.encode): torch's queue pickler would send a tensor's shared memory
-        # through a helper of this process, which may have died before it is read.
+        # By value (message_pickle.encode): torch's queue pickler would send a tensor's shared
+        # memory through a helper of this process, which may have died before it is read.
         out.put((rank, n, None if got is None else encode(got)))
     receiver.close()
 

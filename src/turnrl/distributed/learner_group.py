@@ -4,7 +4,7 @@ The group starts its ranks itself and joins them with a rendezvous on a free por
 ``TCPStore`` the driver holds). Where they run (``placement``): processes of the driver on
 its machine (``LocalRanks``: ``torch.multiprocessing`` spawn, each called over a queue and
 answering over a pipe), or Ray actors anywhere in a Ray cluster (``"ray"``: ray_ranks.py).
-Calls and answers are pickles that hold their tensors' data (wire.py). gloo on the CPU,
+Calls and answers are pickles that hold their tensors' data (message_pickle.py). gloo on the CPU,
 NCCL on GPUs (one per rank).
 Each call splits its batch across the ranks; every rank runs the ``Learner``'s update on its
 shard, normalised by the whole batch's counts (rank.py), so the update equals the one the
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from turnrl.distributed import wire
+from turnrl.distributed import message_pickle
 from turnrl.distributed.rank import ModelSource, RankSpec, serve
 from turnrl.errors import TurnrlError
 from turnrl.rollout.batch import Batch
@@ -310,8 +310,8 @@ class LearnerGroup:
             self._busy = label
             command = name if kind != "call" else "call"
             for rank, rank_args in enumerate(args):
-                # bytes: tensors by value (wire.py); never blocks here
-                self._ranks.send(rank, wire.encode((command, rank_args)))
+                # bytes: tensors by value (message_pickle.py); never blocks here
+                self._ranks.send(rank, message_pickle.encode((command, rank_args)))
             return self._await(label, self.timeout_s)
         finally:
             self._lock.release()
@@ -368,7 +368,7 @@ class Ranks(Protocol):
     (``LocalRanks``) or Ray actors (ray_ranks.py). Every rank first answers its start."""
 
     def send(self, rank: int, payload: bytes) -> None:
-        """Send ``rank`` a call (``wire``-encoded (name, args)); never blocks long."""
+        """Send ``rank`` a call (``message_pickle``-encoded (name, args)); never blocks long."""
 
     def answers(self, ranks: Sequence[int], timeout_s: float) -> list[tuple[int, Any]]:
         """The (rank, (status, value)) answers of ``ranks`` that are in, waiting up to
@@ -453,7 +453,7 @@ class LocalRanks:
             if self._answers[rank] not in ready:
                 continue
             try:
-                got.append((rank, wire.decode(self._answers[rank].recv_bytes())))
+                got.append((rank, message_pickle.decode(self._answers[rank].recv_bytes())))
             except (EOFError, OSError):
                 break  # the rank is gone: its death is found by ``dead``
         return got
@@ -487,7 +487,7 @@ class LocalRanks:
 
     def close(self, timeout_s: float) -> None:
         for commands in self._commands:
-            commands.put(wire.encode(("close", ())))
+            commands.put(message_pickle.encode(("close", ())))
         deadline = time.monotonic() + timeout_s
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from turnrl.backends.hf_cache import cache_kwargs, returned_cache
-from turnrl.distributed import wire
+from turnrl.distributed import message_pickle
 from turnrl.models import load_model
 from turnrl.models.lora import is_lora
 from turnrl.rollout.batch import Batch
@@ -683,7 +683,8 @@ def _whole_tree(tree: Any, rank: int, world: int, seen: dict[int, torch.Tensor])
 
 
 def load_state_dict(learner: ShardedLearner, state: dict[str, Any]) -> None:
-    """Load ``state_dict``'s output (every rank is given all of it, its own copy: wire.py)."""
+    """Load ``state_dict``'s output (every rank is given all of it, its own copy:
+    message_pickle.py)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     options = StateDictOptions(full_state_dict=True)
@@ -824,15 +825,15 @@ def serve(
     try:
         learner = join_group(rank, world, store_address, spec, device_index=rank)
     except BaseException:
-        answers.send_bytes(wire.encode(("error", traceback.format_exc())))
+        answers.send_bytes(message_pickle.encode(("error", traceback.format_exc())))
         return
-    answers.send_bytes(wire.encode(("ok", None)))
+    answers.send_bytes(message_pickle.encode(("ok", None)))
     while True:
         try:
             payload = commands.get()
         except (EOFError, OSError):
             break
-        name, args = wire.decode(payload)
+        name, args = message_pickle.decode(payload)
         if name == "close":
             break
         answers.send_bytes(answer(learner, name, args))
@@ -866,11 +867,11 @@ def join_group(
 
 def answer(learner: ShardedLearner, name: str, args: Sequence[Any]) -> bytes:
     """The driver's call ``name(*args)`` run on this rank: ("ok", value) or ("error",
-    the traceback), encoded for the driver (wire.py)."""
+    the traceback), encoded for the driver (message_pickle.py)."""
     try:
-        return wire.encode(("ok", COMMANDS[name](learner, *args)))
+        return message_pickle.encode(("ok", COMMANDS[name](learner, *args)))
     except BaseException:
-        return wire.encode(("error", traceback.format_exc()))
+        return message_pickle.encode(("error", traceback.format_exc()))
 
 
 def _exit_with_parent(parent_pid: int) -> None:

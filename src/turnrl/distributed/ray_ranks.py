@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from turnrl.distributed import ray_cluster, wire
+from turnrl.distributed import message_pickle, ray_cluster
 from turnrl.distributed.rank import RankSpec, ShardedLearner, answer, join_group
 
 
@@ -39,12 +39,12 @@ class RankActor:
             # Ray shows an actor only the GPUs it was given: its GPU is device 0.
             self.learner = join_group(rank, world, store_address, spec, device_index=0)
         except BaseException:
-            return wire.encode(("error", traceback.format_exc()))
-        return wire.encode(("ok", None))
+            return message_pickle.encode(("error", traceback.format_exc()))
+        return message_pickle.encode(("ok", None))
 
     def run(self, payload: bytes) -> bytes:
         """Answer one call of the driver (rank.py's commands)."""
-        name, args = wire.decode(payload)
+        name, args = message_pickle.decode(payload)
         assert self.learner is not None, "the rank was not started"
         return answer(self.learner, name, args)
 
@@ -112,7 +112,7 @@ class RayRanks:
             if self._pending[rank] not in ready:
                 continue
             try:
-                got.append((rank, wire.decode(self.ray.get(self._pending[rank]))))
+                got.append((rank, message_pickle.decode(self.ray.get(self._pending[rank]))))
             except self.ray.exceptions.RayActorError as exc:
                 self._dead[rank] = _why(exc)
             except self.ray.exceptions.RayTaskError as exc:  # e.g. an answer that fails to decode

@@ -35,8 +35,9 @@ takes two calls at once (the offer arrives while ``collect`` runs).
 Overlapping batches (``algorithm.overlap_batches``): the driver sends a batch's shards as
 soon as the batch is queued, so a worker may hold shards of several batches at once (an
 actor then takes up to ``max_staleness`` calls of ``collect`` at once, plus the offers:
-``worker_calls_at_once``). It runs them together on its engine (backends/together.py), the
-next batch's episodes beside the slowest of the one before. A worker that dies holding
+``worker_calls_at_once``). It runs them together on its engine
+(backends/concurrent_programs.py), the next batch's episodes beside the slowest of the one
+before. A worker that dies holding
 shards of several batches is replaced once, and each batch sends its shard again.
 
 Faults: every call has a deadline, and a worker that misses it stops the run with an error
@@ -67,7 +68,7 @@ from typing import Any
 
 import torch
 
-from turnrl.backends.together import Together
+from turnrl.backends.concurrent_programs import ConcurrentPrograms
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
@@ -169,18 +170,18 @@ class RolloutWorker:
         if config.algorithm.partial_rollouts:
             hook = TurnSync(self._offer_is_newer, self._take_offer)
             self.backend.turn_sync = hook
-        self.together = Together(self.backend.run, engine_thread)
+        self.programs = ConcurrentPrograms(self.backend.run, engine_thread)
         """Runs the calls' programs on the engine, together where they overlap."""
 
     def collect(self, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
         """``tasks``' groups of episodes, ``spec.group_size`` each, in task order. Calls
         that overlap (overlapping batches: the actor takes several at once) run together on
-        the engine, each call's episodes beside the others' (backends/together.py)."""
+        the engine, each call's episodes beside the others' (backends/concurrent_programs.py)."""
 
         def program() -> Coroutine[Any, Any, Groups]:
             return collect_groups(tasks, self.env.make_env, self.backend, self.renderer, spec)
 
-        groups, _ = self.together.submit(program).result(timeout=self.timeout_s)
+        groups, _ = self.programs.submit(program).result(timeout=self.timeout_s)
         return groups
 
     def offer_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:

@@ -1,8 +1,8 @@
 """Environments: tasks, tools and verifiers. No torch here (env authors need no ML stack)."""
 
-from turnrl.envs.card import EnvCard
 from turnrl.envs.check import EnvReport, check_env
 from turnrl.envs.custom import Environment
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.games import Bandit, FrozenLake, GameEnv, Sokoban
 from turnrl.envs.registry import ENVIRONMENTS, EnvSpec, make_env_spec
 from turnrl.envs.secret_lookup import SecretLookup

@@ -20,7 +20,7 @@ does not exist, every turn). What it checks:
 - rewards: finite, within ``reward_range`` (default [0, 1]) per step and per episode;
 - oracle: its success rate is at least 0.99 (or, for a family whose oracle cannot always
   win, e.g. on slippery ice, its declared ``oracle_success`` less three standard errors);
-- probes: the reward-hacking probes of ``turnrl.envs.probes`` (an empty answer, every
+- probes: the reward-hacking probes of ``turnrl.envs.reward_hack_probes`` (an empty answer, every
   option listed, the gold buried among other candidates, the answer syntax alone, a very
   long answer, the prompt echoed back), each played once per task through the env's own
   format and verifier, on top of the three policies above.
@@ -59,7 +59,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.policy import Episode, HasCard, HasOracle, Policy, play, replay
-from turnrl.envs.probes import (
+from turnrl.envs.registry import EnvSpec
+from turnrl.envs.reward_hack_probes import (
     PROBES,
     Clues,
     Probe,
@@ -68,7 +69,6 @@ from turnrl.envs.probes import (
     env_format,
     probe_policy,
 )
-from turnrl.envs.registry import EnvSpec
 from turnrl.formats import get_format
 from turnrl.protocols import Env
 from turnrl.types import Message, Task, ToolCall

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.protocols import Env
 from turnrl.types import Message, StepResult, Task
 

@@ -25,7 +25,7 @@ class EnvSpec(Protocol):
     """A named environment family: tasks by index, fresh env per episode, a format teacher.
 
     A family may also offer ``oracle(task)`` (a scripted policy that solves its tasks, see
-    ``turnrl.envs.policy``), a ``card`` (``turnrl.envs.card.EnvCard``), ``chance`` (the
+    ``turnrl.envs.policy``), a ``card`` (``turnrl.envs.env_card.EnvCard``), ``chance`` (the
     random policy's success) and ``reward_range`` (default ``(0.0, 1.0)``); ``turnrl envs
     check`` and ``benchmarks/envs.py`` use them where present.
     """

@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.policy import Policy
 from turnrl.envs.tool_env import ToolEnv
 from turnrl.errors import ConfigError

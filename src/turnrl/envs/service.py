@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.errors import ConfigError
 from turnrl.formats import error_observation, get_format

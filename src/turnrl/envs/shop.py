@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.games.game_env import GameEnv, Outcome
 from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.errors import ConfigError

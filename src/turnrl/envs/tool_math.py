@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.envs.tool_env import ToolEnv
 from turnrl.errors import ConfigError

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from turnrl.envs import make_env_spec
 from turnrl.envs.policy import HasCard
-from turnrl.envs.probes import env_format
+from turnrl.envs.reward_hack_probes import env_format
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
 from turnrl.formats.openai_message import assistant_text

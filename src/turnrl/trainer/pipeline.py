@@ -37,8 +37,8 @@ Which weights sample a batch: the newest the learner has when the batch starts.
 
 Overlapping batches (``algorithm.overlap_batches``, with partial rollouts and k >= 2): the
 batches collected ahead run at the same time instead of one after the other. Each starts as
-soon as it is queued, as a task of one program (backends/together.py). In this process the
-program runs on the engine, so a batch's episodes fill the engine beside the slowest
+soon as it is queued, as a task of one program (backends/concurrent_programs.py). In this
+process the program runs on the engine, so a batch's episodes fill the engine beside the slowest
 episodes of the batch before it; the engine is then never idle between batches, and takes
 every new weights between turns (the hook above). With rollout workers the program only
 waits for the workers: every batch's shards go out as soon as it is queued, and each worker
@@ -67,7 +67,7 @@ from typing import Any, TextIO
 
 import torch
 
-from turnrl.backends.together import Together
+from turnrl.backends.concurrent_programs import ConcurrentPrograms
 from turnrl.errors import TurnrlError
 from turnrl.protocols import TurnSync
 from turnrl.trainer.step import (
@@ -140,7 +140,7 @@ class Ahead:
         self.depth = depth
         self.partial = partial
         self.overlap = overlap
-        self._together: Together | None = None
+        self._concurrent: ConcurrentPrograms | None = None
         """Overlapping batches: what runs them together, on the background thread."""
         self._hooked: Any = None
         """The engine given the mid-batch hook, to take it back on ``close``."""
@@ -276,12 +276,15 @@ class Ahead:
         """Queue the rollout of ``step``. An idle engine takes the learner's weights now
         (the sync's metrics); a busy one takes the newest published ones before it starts
         this batch (their metrics go in this batch's row). Overlapping batches: the batch
-        starts at once, beside those running (``Together``), on the engine, which takes the
-        published weights between turns, or on the workers, which take the offered ones."""
+        starts at once, beside those running (``ConcurrentPrograms``), on the engine, which
+        takes the published weights between turns, or on the workers, which take the offered
+        ones."""
         if self.overlap:
-            if self._together is None:  # on the engine, or beside the workers' calls
-                self._together = Together(lambda program: run_program(t, program), self._pool)
-            self._queue[step] = self._together.submit(lambda: self._overlapped(t, step))
+            if self._concurrent is None:  # on the engine, or beside the workers' calls
+                self._concurrent = ConcurrentPrograms(
+                    lambda program: run_program(t, program), self._pool
+                )
+            self._queue[step] = self._concurrent.submit(lambda: self._overlapped(t, step))
             return {}
         synced: Row = {}
         if all(f.done() for f in self._queue.values()):  # nothing runs: sync it here

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.games.game_env import GameEnv, Outcome
 from turnrl.envs.policy import Policy
 from turnrl.errors import ConfigError

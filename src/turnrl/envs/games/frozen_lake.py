@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.games.game_env import GameEnv, Outcome
 from turnrl.envs.games.grid import (
     DIRECTIONS,

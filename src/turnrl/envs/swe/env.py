@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from turnrl.envs.card import EnvCard
+from turnrl.envs.env_card import EnvCard
 from turnrl.envs.policy import Policy, demonstration_corpus
 from turnrl.envs.swe.library import Checkout, Library, Mutant, check_test_python, is_module
 from turnrl.envs.swe.mutate import apply

@@ -1,8 +1,8 @@
 """Several callers' programs, run at the same time on one engine (overlapping batches).
 
 An engine runs one asyncio program at a time (``Backend.run``), and its continuous
-batching serves every episode of that program together. ``Together`` takes programs from
-callers on any thread and runs all those it has as tasks of one program on the engine, so
+batching serves every episode of that program together. ``ConcurrentPrograms`` takes programs
+from callers on any thread and runs all those it has as tasks of one program on the engine, so
 the episodes of a batch that starts fill the engine beside the slowest episodes of the
 batch before it, instead of waiting for them. A program handed over while others run
 starts at once, beside them; one handed over when none runs starts a new engine program.
@@ -32,7 +32,7 @@ class ProgramEnded(TurnrlError):
     """The engine program running several callers' programs ended before one of them did."""
 
 
-class Together:
+class ConcurrentPrograms:
     """Programs handed over from any thread (``submit``), run together on an engine.
 
     ``run`` runs one program to completion on the engine: its ``run``, or ``asyncio.run``

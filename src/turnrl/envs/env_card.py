@@ -1,4 +1,5 @@
-"""``EnvCard``: what an environment is, in the few facts an evaluation report prints."""
+"""``EnvCard``: an environment family's card (as a model card is a model's): what it is, in the
+few facts an evaluation report prints."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""``Together`` (backends/together.py): programs handed over from several threads run at
-the same time as tasks of one program, each settling its own future; a program's error
-(or one that cannot be made) is its caller's alone, a cancelled one never starts, and an
-engine that fails to start, or whose program ends early, leaves no caller waiting."""
+"""``ConcurrentPrograms`` (backends/concurrent_programs.py): programs handed over from several
+threads run at the same time as tasks of one program, each settling its own future; a
+program's error (or one that cannot be made) is its caller's alone, a cancelled one never
+starts, and an engine that fails to start, or whose program ends early, leaves no caller
+waiting."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from turnrl.backends.together import ProgramEnded, Together
+from turnrl.backends.concurrent_programs import ConcurrentPrograms, ProgramEnded
 
 WAIT_S = 10.0
 
 
 @pytest.fixture
 def thread() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
-    pool = concurrent.futures.ThreadPoolExecutor(1, "together-test")
+    pool = concurrent.futures.ThreadPoolExecutor(1, "concurrent-programs-test")
     yield pool
     pool.shutdown(wait=True)
 
@@ -36,7 +37,7 @@ def test_programs_from_two_threads_run_together_each_settling_its_own(
         runs.append(1)
         asyncio.run(program)
 
-    together = Together(run, thread)
+    programs = ConcurrentPrograms(run, thread)
     second_started = threading.Event()
 
     async def first() -> str:
@@ -48,13 +49,13 @@ def test_programs_from_two_threads_run_together_each_settling_its_own(
         second_started.set()
         return "second"
 
-    a = together.submit(first)
+    a = programs.submit(first)
     with concurrent.futures.ThreadPoolExecutor(1) as caller:  # another thread's program
-        b = caller.submit(together.submit, second).result(timeout=WAIT_S)
+        b = caller.submit(programs.submit, second).result(timeout=WAIT_S)
     assert a.result(timeout=WAIT_S) == ("first", 2)
     assert b.result(timeout=WAIT_S) == ("second", 2)
     assert runs == [1]
-    assert together.most_at_once == 2
+    assert programs.most_at_once == 2
 
 
 def test_a_program_s_error_is_its_own_and_a_cancelled_one_never_starts(
@@ -63,7 +64,7 @@ def test_a_program_s_error_is_its_own_and_a_cancelled_one_never_starts(
     started: list[str] = []
     gate = threading.Event()
     thread.submit(gate.wait, WAIT_S)  # hold the engine's thread: nothing starts yet
-    together = Together(asyncio.run, thread)
+    programs = ConcurrentPrograms(asyncio.run, thread)
 
     async def program(name: str) -> str:
         started.append(name)
@@ -72,16 +73,16 @@ def test_a_program_s_error_is_its_own_and_a_cancelled_one_never_starts(
             raise ValueError("a bad batch")
         return name
 
-    bad = together.submit(lambda: program("bad"))
-    dropped = together.submit(lambda: program("dropped"))
-    good = together.submit(lambda: program("good"))
+    bad = programs.submit(lambda: program("bad"))
+    dropped = programs.submit(lambda: program("dropped"))
+    good = programs.submit(lambda: program("good"))
     assert dropped.cancel()
     gate.set()
     with pytest.raises(ValueError, match="a bad batch"):
         bad.result(timeout=WAIT_S)
     assert good.result(timeout=WAIT_S) == ("good", 2)
     assert sorted(started) == ["bad", "good"]
-    later = together.submit(lambda: program("later"))  # a new engine program
+    later = programs.submit(lambda: program("later"))  # a new engine program
     assert later.result(timeout=WAIT_S) == ("later", 1)
 
 
@@ -97,12 +98,12 @@ def test_an_engine_program_that_ends_early_fails_every_caller_still_waiting(
 
         asyncio.run(with_deadline())
 
-    together = Together(run, thread)
+    programs = ConcurrentPrograms(run, thread)
 
     async def forever() -> None:
         await asyncio.sleep(3600)
 
-    two_callers_told(together, forever, "the engine's program ended")
+    two_callers_told(programs, forever, "the engine's program ended")
 
 
 def test_an_engine_that_fails_to_start_fails_the_programs_waiting_for_it(
@@ -115,17 +116,17 @@ def test_an_engine_that_fails_to_start_fails_the_programs_waiting_for_it(
         program.close()
         raise RuntimeError("the engine could not wake")
 
-    together = Together(run, thread)
+    programs = ConcurrentPrograms(run, thread)
 
     async def program() -> str:
         return "never"
 
-    two_callers_told(together, program, "the engine could not wake")
+    two_callers_told(programs, program, "the engine could not wake")
 
 
-def two_callers_told(together: Together, make: Any, why: str) -> None:
+def two_callers_told(programs: ConcurrentPrograms, make: Any, why: str) -> None:
     """Two callers hand ``make``'s program over; each gets ``ProgramEnded`` saying ``why``."""
-    waiting = [together.submit(make), together.submit(make)]
+    waiting = [programs.submit(make), programs.submit(make)]
     for future in waiting:
         with pytest.raises(ProgramEnded, match=why):
             future.result(timeout=WAIT_S)
@@ -134,7 +135,7 @@ def two_callers_told(together: Together, make: Any, why: str) -> None:
 def test_a_program_that_cannot_be_made_fails_its_caller_only(
     thread: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
-    together = Together(asyncio.run, thread)
+    programs = ConcurrentPrograms(asyncio.run, thread)
 
     def unmade() -> Coroutine[Any, Any, str]:
         raise ValueError("no such batch")
@@ -142,7 +143,7 @@ def test_a_program_that_cannot_be_made_fails_its_caller_only(
     async def program() -> str:
         return "made"
 
-    bad, good = together.submit(unmade), together.submit(program)
+    bad, good = programs.submit(unmade), programs.submit(program)
     with pytest.raises(ValueError, match="no such batch"):
         bad.result(timeout=WAIT_S)
     assert good.result(timeout=WAIT_S)[0] == "made"
