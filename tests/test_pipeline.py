@@ -1,7 +1,8 @@
-"""The asynchronous pipeline's scheduling (trainer/pipeline.py ``Ahead``), with the step's
-phases replaced by scripted ones that take chosen times: which weights sample each batch,
-how far ahead the background thread runs, and that the engine is never synced while it
-samples. The real loop with ``algorithm.max_staleness`` is tested in tests/test_async.py."""
+"""The asynchronous pipeline's scheduling (trainer/pipeline.py ``PipelinedStepper``), with
+the step's phases replaced by scripted ones that take chosen times: which weights sample
+each batch, how far ahead the background thread runs, and that the engine is never synced
+while it samples. The real loop with ``algorithm.max_staleness`` is tested in
+tests/test_async.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from turnrl.trainer import pipeline
-from turnrl.trainer.step import Collected
+from turnrl.trainer.step import StepRollouts
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Script:
     fail_at: tuple[int, ...] = ()
     """The steps whose overlapping rollouts raise."""
 
-    def trainer(self, steps: int) -> Any:
+    def parts(self, steps: int) -> Any:
         config = SimpleNamespace(
             steps=steps,
             rollout=SimpleNamespace(episode_timeout_s=0.0),
@@ -56,40 +57,40 @@ class Script:
             learner=SimpleNamespace(model=model), workers=None,
         )  # fmt: skip
 
-    def rollout_phase(self, t: Any, step: int) -> Collected:
+    def rollout_phase(self, parts: Any, step: int) -> StepRollouts:
         self.rolling += 1
         if self.rolling > 1:
             self.faults.append(f"two rollouts at once, at step {step}")
-        self.sampled_by[step] = t.backend.policy_version
+        self.sampled_by[step] = parts.backend.policy_version
         time.sleep(self.rollout_s)
         self.rolling -= 1
-        return Collected([], [], {}, self.rollout_s)
+        return StepRollouts([], [], {}, self.rollout_s)
 
-    async def rollout_program(self, t: Any, step: int) -> Collected:
+    async def rollout_program(self, parts: Any, step: int) -> StepRollouts:
         """An overlapping batch (``algorithm.overlap_batches``): others may run beside it."""
         self.rolling += 1
         self.most = max(self.most, self.rolling)
-        self.sampled_by[step] = t.backend.policy_version
+        self.sampled_by[step] = parts.backend.policy_version
         await asyncio.sleep(self.rollout_s)
         self.rolling -= 1
         if step in self.fail_at:
             raise RuntimeError(f"the rollout of batch {step} failed")
-        return Collected([], [], {}, self.rollout_s)
+        return StepRollouts([], [], {}, self.rollout_s)
 
-    def update_phase(self, t: Any, step: int, c: Collected, version: int, out: Any) -> Any:
+    def update_phase(self, parts: Any, step: int, c: StepRollouts, version: int, out: Any) -> Any:
         self.trained_at[step] = version
         time.sleep(self.update_s)
         with torch.no_grad():
-            t.learner.model.weight.fill_(float(version + 1))
+            parts.learner.model.weight.fill_(float(version + 1))
         return {"step": step + 1, "_tokens": 0}
 
-    def sync_engines(self, t: Any, version: int | None = None, model: Any = None) -> Any:
+    def sync_engines(self, parts: Any, version: int | None = None, model: Any = None) -> Any:
         if self.rolling:
             self.faults.append(f"a sync to version {version} while a rollout ran")
-        source = t.learner.model if model is None else model
+        source = parts.learner.model if model is None else model
         assert version is not None
         self.syncs.append((version, source.weight.detach().item(), threading.current_thread().name))
-        t.backend.policy_version = version
+        parts.backend.policy_version = version
         return {"perf/rollout_sync_s": 0.001}
 
     def staleness(self) -> dict[int, int]:
@@ -108,16 +109,16 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def run(script: Script, depth: int, steps: int, eval_after: tuple[int, ...] = ()) -> list[Any]:
-    t = script.trainer(steps)
-    ahead = pipeline.Ahead(depth)
+    parts = script.parts(steps)
+    ahead = pipeline.PipelinedStepper(depth)
     rows = []
     try:
         for step in range(steps):
-            rows.append(ahead.step(t, step, io.StringIO()))
+            rows.append(ahead.step(parts, step, io.StringIO()))
             if step + 1 in eval_after:
                 syncs = len(script.syncs)
-                synced = ahead.before_eval(t)
-                assert t.backend.policy_version == step + 1  # the learner's weights
+                synced = ahead.before_eval(parts)
+                assert parts.backend.policy_version == step + 1  # the learner's weights
                 # its own sync's metrics, if it had to sync, for the step's row (those of
                 # the batches it waited for are in theirs)
                 own = [x for x in script.syncs[syncs:] if x[2] == "MainThread"]
@@ -170,16 +171,16 @@ def test_an_evaluation_waits_for_every_batch_ahead_and_syncs_the_learner_s_weigh
 
 def test_a_pipeline_is_at_least_one_step_deep() -> None:
     with pytest.raises(ValueError, match="one step deep"):
-        pipeline.Ahead(0)
+        pipeline.PipelinedStepper(0)
 
 
 def test_closing_drops_the_batches_not_started_and_lets_the_running_one_finish(
     scripted: Any,
 ) -> None:
     script = scripted(rollout_s=0.3, update_s=0.0)
-    t = script.trainer(steps=8)
-    ahead = pipeline.Ahead(3)
-    ahead.step(t, 0, io.StringIO())  # batches 1, 2 and 3 queued; 1 is running
+    parts = script.parts(steps=8)
+    ahead = pipeline.PipelinedStepper(3)
+    ahead.step(parts, 0, io.StringIO())  # batches 1, 2 and 3 queued; 1 is running
     ahead.close()
     assert sorted(script.sampled_by) == [0, 1]  # 2 and 3 never started
     assert script.rolling == 0  # batch 1 was let finish
@@ -189,13 +190,13 @@ def test_the_sync_before_an_evaluation_is_timed_in_the_step_s_row(scripted: Any)
     """Updates slower than rollouts: at the evaluation the engine is behind the learner,
     so the loop's thread syncs it, and the step's row gets that sync's time."""
     script = scripted(rollout_s=0.0, update_s=0.2)
-    t = script.trainer(steps=4)
-    ahead = pipeline.Ahead(2)
+    parts = script.parts(steps=4)
+    ahead = pipeline.PipelinedStepper(2)
     try:
         for step in range(2):
-            ahead.step(t, step, io.StringIO())
-        assert t.backend.policy_version < 2  # sampling batches 2 and 3 on older weights
-        assert ahead.before_eval(t) == {"perf/rollout_sync_s": 0.001}
+            ahead.step(parts, step, io.StringIO())
+        assert parts.backend.policy_version < 2  # sampling batches 2 and 3 on older weights
+        assert ahead.before_eval(parts) == {"perf/rollout_sync_s": 0.001}
         assert script.syncs[-1] == (2, 2.0, "MainThread")
     finally:
         ahead.close()
@@ -205,10 +206,10 @@ def test_overlapping_batches_run_together_and_every_batch_once(scripted: Any) ->
     """``overlap_batches``: each batch queued starts at once, beside the one running (the
     engine's mid-batch hook, absent here, would keep its weights fresh)."""
     script = scripted(rollout_s=0.2, update_s=0.0)
-    t = script.trainer(steps=6)
-    ahead = pipeline.Ahead(2, partial=True, overlap=True)
+    parts = script.parts(steps=6)
+    ahead = pipeline.PipelinedStepper(2, partial=True, overlap=True)
     try:
-        rows = [ahead.step(t, step, io.StringIO()) for step in range(6)]
+        rows = [ahead.step(parts, step, io.StringIO()) for step in range(6)]
     finally:
         ahead.close()
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -221,12 +222,12 @@ def test_overlapping_batches_run_together_and_every_batch_once(scripted: Any) ->
 def test_a_failed_overlapping_batch_stops_the_step_that_waits_for_it(scripted: Any) -> None:
     script = scripted(rollout_s=0.1, update_s=0.0)
     script.fail_at = (2,)
-    t = script.trainer(steps=6)
-    ahead = pipeline.Ahead(2, partial=True, overlap=True)
+    parts = script.parts(steps=6)
+    ahead = pipeline.PipelinedStepper(2, partial=True, overlap=True)
 
     def steps() -> None:
         for step in range(6):
-            ahead.step(t, step, io.StringIO())
+            ahead.step(parts, step, io.StringIO())
 
     try:
         with pytest.raises(RuntimeError, match="batch 2 failed"):
@@ -239,7 +240,7 @@ def test_a_failed_overlapping_batch_stops_the_step_that_waits_for_it(scripted: A
 
 def test_overlapping_batches_need_partial_rollouts() -> None:
     with pytest.raises(ValueError, match="partial"):
-        pipeline.Ahead(2, overlap=True)
+        pipeline.PipelinedStepper(2, overlap=True)
 
 
 def test_an_evaluation_that_cannot_get_the_engine_back_names_the_rollout_thread(
@@ -247,10 +248,10 @@ def test_an_evaluation_that_cannot_get_the_engine_back_names_the_rollout_thread(
 ) -> None:
     script = scripted(rollout_s=0.0, update_s=0.0)
     monkeypatch.setattr(pipeline, "HAND_BACK_S", 0.1)
-    ahead = pipeline.Ahead(2, partial=True, overlap=True)
+    ahead = pipeline.PipelinedStepper(2, partial=True, overlap=True)
     try:
         ahead._pool.submit(time.sleep, 1.0)  # the engine's program, not ending
         with pytest.raises(pipeline.RolloutAheadError, match="hand the engine back"):
-            ahead.before_eval(script.trainer(steps=2))
+            ahead.before_eval(script.parts(steps=2))
     finally:
         ahead.close()

@@ -146,7 +146,7 @@ class RolloutWorker:
         """How long a call waits for its episodes: past the driver's deadline, which stops
         the run naming this worker first; this one only frees the actor's thread."""
         # The engine's own thread: an actor runs its calls on threads of Ray's, and a
-        # thread's torch thread count is its own (pipeline.py's ``Ahead``)
+        # thread's torch thread count is its own (pipeline.py's ``PipelinedStepper``)
         engine_thread = concurrent.futures.ThreadPoolExecutor(
             1, "turnrl-worker-engine", initializer=torch.set_num_threads, initargs=(threads,)
         )

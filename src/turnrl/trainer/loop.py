@@ -41,7 +41,7 @@ from turnrl.trainer.monitors import Alarm, Monitor, read_rows
 from turnrl.trainer.pipeline import add_timings, stepper
 from turnrl.trainer.sinks import MetricSinks, trim_run_files
 from turnrl.trainer.startup import MakeLearner, MakeWorkers, say, start
-from turnrl.trainer.step import Trainer, run_groups
+from turnrl.trainer.step import RunParts, run_groups
 
 Row = dict[str, Any]
 
@@ -148,37 +148,39 @@ def _run(
             if on_row:
                 on_row(row)
 
-        parts = start(config, spec, run_dir, checkpoint, progress, make_learner, make_workers)
-        t, tokenizer, start_step = parts.trainer, parts.tokenizer, parts.step
+        built = start(config, spec, run_dir, checkpoint, progress, make_learner, make_workers)
+        parts, tokenizer, start_step = built.parts, built.tokenizer, built.step
         monitor = Monitor(config.monitor)
         if checkpoint is None:
-            emit({**parts.row, **evaluate(t)})
+            emit({**built.row, **evaluate(parts)})
         else:  # replay the run so far: raised alarms stay latched
             monitor.replay(read_rows(run_dir / "metrics.jsonl"), until_step=start_step)
             if read_rows(run_dir / "alarms.jsonl"):
-                t = t.with_config(_on_alarm(t.config, progress))  # it had raised one already
+                parts = parts.with_config(
+                    _on_alarm(parts.config, progress)
+                )  # it had raised one already
         bar = tqdm(
             range(start_step, config.steps), desc="train", disable=not progress,
             initial=start_step, total=config.steps,
         )  # fmt: skip
         started = time.perf_counter()
-        steps = stepper(t)  # synchronous, or the next rollout overlapped (max_staleness)
+        steps = stepper(parts)  # synchronous, or the next rollout overlapped (max_staleness)
         with stop_after_step_on_ctrl_c() as ctrl_c:
             try:
                 for step in bar:
-                    row = steps.step(t, step, traj_out)
+                    row = steps.step(parts, step, traj_out)
                     alarms = monitor.update(row)
                     stop = bool(alarms) and config.monitor.action == "stop"
                     if alarms:  # an alarm may switch on variance filtering
-                        t = t.with_config(_on_alarm(t.config, progress))
+                        parts = parts.with_config(_on_alarm(parts.config, progress))
                     done = step + 1
                     elapsed = time.perf_counter() - started
                     out_of_time = config.max_minutes > 0 and elapsed > 60 * config.max_minutes
                     asked = ctrl_c.is_set()  # Ctrl-C: this step is the last, and is saved
                     last = done == config.steps or out_of_time or stop or asked
                     if done % config.eval.every == 0 or last:
-                        add_timings(row, steps.before_eval(t))
-                        row.update(evaluate(t))
+                        add_timings(row, steps.before_eval(parts))
+                        row.update(evaluate(parts))
                     row["perf/elapsed_s"] = time.perf_counter() - started
                     for alarm in alarms:
                         row[f"alarm/{alarm.name}"] = 1.0
@@ -193,7 +195,7 @@ def _run(
                         errors=f"{row['rollout/errors']:.0f}",
                     )
                     if done % config.save_every == 0 or last:
-                        _save(t, run_dir, tokenizer, done, steps.learner_version(t))
+                        _save(parts, run_dir, tokenizer, done, steps.learner_version(parts))
                     if stop:
                         say(f"stopping after step {done}: monitor.action = stop", progress)
                     if asked:
@@ -205,17 +207,17 @@ def _run(
             finally:
                 steps.close()
         if config.steps == 0 or start_step >= config.steps:
-            _save(t, run_dir, tokenizer, start_step, steps.learner_version(t))
+            _save(parts, run_dir, tokenizer, start_step, steps.learner_version(parts))
     return result
 
 
-def evaluate(t: Trainer) -> Row:
+def evaluate(parts: RunParts) -> Row:
     """Held-out success: one sample (at the rollout temperature) of each of the first
     ``eval.num_tasks`` test tasks."""
-    c = t.config
-    tasks = [t.spec.task(i, split="test") for i in range(c.eval.num_tasks)]
-    eval_spec = GroupSpec(1, t.limits, t.sampling, seed=derive_seed(c.seed, "eval"))
-    groups = run_groups(t, tasks, eval_spec)  # on the rollout workers, if the run has any
+    c = parts.config
+    tasks = [parts.spec.task(i, split="test") for i in range(c.eval.num_tasks)]
+    eval_spec = GroupSpec(1, parts.limits, parts.sampling, seed=derive_seed(c.seed, "eval"))
+    groups = run_groups(parts, tasks, eval_spec)  # on the rollout workers, if the run has any
     check_failures([x for g in groups for x in g], c.rollout.max_error_frac, where="evaluation")
     metrics = rollout_metrics(groups)
     return {
@@ -225,14 +227,14 @@ def evaluate(t: Trainer) -> Row:
     }
 
 
-def _save(t: Trainer, run_dir: Path, tokenizer: Any, step: int, version: int) -> None:
+def _save(parts: RunParts, run_dir: Path, tokenizer: Any, step: int, version: int) -> None:
     """A checkpoint of the learner's weights, whose policy version is ``version``. A
     learner whose ``model`` may lag its weights (learner ranks that send the weights to the
     rollout workers themselves) brings them into it first (``refresh_model``)."""
-    t.learner.refresh_model()
+    parts.learner.refresh_model()
     state = TrainerState(step=step, policy_version=version)
-    extra = None if t.learner.critic is None else {"critic": t.learner.critic.state_dict()}
-    save_checkpoint(run_dir, t.learner.model, tokenizer, t.learner.optimizer, state, extra)
+    extra = None if parts.learner.critic is None else {"critic": parts.learner.critic.state_dict()}
+    save_checkpoint(run_dir, parts.learner.model, tokenizer, parts.learner.optimizer, state, extra)
 
 
 def _on_alarm(config: Config, progress: bool) -> Config:

@@ -1,7 +1,7 @@
 """How the loop runs its steps: one after the other, or with the next rollouts overlapped.
 
-``Synchronous`` is the reference: each step collects with the learner's current weights,
-updates, then syncs the engine (``train_step``). ``Ahead`` is asynchronous training with
+``SynchronousStepper`` is the reference: each step collects with the learner's current weights,
+updates, then syncs the engine (``train_step``). ``PipelinedStepper`` is asynchronous training with
 ``algorithm.max_staleness`` = k >= 1: a background thread collects the batches of steps
 s + 1 .. s + k while step s updates, one batch after the other on the one engine. The
 engine holds its own weights (a copy, for the torch backend) and is synced between
@@ -27,7 +27,7 @@ Which weights sample a batch: the newest the learner has when the batch starts.
   before the update: batch s + 1 is sampled by the weights of before update s, exactly one
   version stale, the same in every run of a seed.
 - With k >= 2 the engine is usually still sampling earlier batches when one is queued.
-  After each update the loop copies the learner's weights (``Published``: one more copy of
+  After each update the loop copies the learner's weights (``PublishedWeights``: one more copy of
   the policy in memory), and the background thread syncs the engine from that copy before
   each batch if it is newer than the engine's. A batch is queued only once the learner's
   version is at least its step minus k, so no trajectory is more than k versions behind
@@ -71,9 +71,9 @@ from turnrl.backends.concurrent_programs import ConcurrentPrograms
 from turnrl.errors import TurnrlError
 from turnrl.protocols import TurnSync
 from turnrl.trainer.step import (
-    Collected,
     Row,
-    Trainer,
+    RunParts,
+    StepRollouts,
     rollout_phase,
     rollout_program,
     run_program,
@@ -96,17 +96,17 @@ class RolloutAheadError(TurnrlError):
     """A rollout running ahead of the learner did not finish in time."""
 
 
-class Synchronous:
+class SynchronousStepper:
     """Collect, update, sync: ``train_step``."""
 
-    def step(self, t: Trainer, step: int, trajectories_out: TextIO) -> Row:
-        return train_step(t, step, trajectories_out)
+    def step(self, parts: RunParts, step: int, trajectories_out: TextIO) -> Row:
+        return train_step(parts, step, trajectories_out)
 
-    def learner_version(self, t: Trainer) -> int:
+    def learner_version(self, parts: RunParts) -> int:
         """The policy version of the learner's weights (what a checkpoint records)."""
-        return t.backend.policy_version
+        return parts.backend.policy_version
 
-    def before_eval(self, t: Trainer) -> Row:
+    def before_eval(self, parts: RunParts) -> Row:
         """Nothing: the engine already holds the learner's weights."""
         return {}
 
@@ -115,7 +115,7 @@ class Synchronous:
 
 
 @dataclass
-class Published:
+class PublishedWeights:
     """The learner's weights as of an update, for the background thread to sync the engine
     from while the learner moves on (k >= 2)."""
 
@@ -125,7 +125,7 @@ class Published:
     """Its policy version."""
 
 
-class Ahead:
+class PipelinedStepper:
     """The rollouts of the next ``depth`` steps in a background thread, in step order (or
     all at once, ``overlap``), while this step updates."""
 
@@ -154,48 +154,48 @@ class Ahead:
             1, "turnrl-rollout-ahead", initializer=torch.set_num_threads,
             initargs=(torch.get_num_threads(),),
         )  # fmt: skip
-        self._queue: dict[int, concurrent.futures.Future[tuple[Collected, int]]] = {}
+        self._queue: dict[int, concurrent.futures.Future[tuple[StepRollouts, int]]] = {}
         """The batches queued or collected ahead, by step, oldest first: each with the most
         batches that ran at once while it ran."""
         self._version: int | None = None
-        self._published: Published | None = None
+        self._published: PublishedWeights | None = None
         self._lock = threading.Lock()
         """Held while the published copy is written or the engine is synced from it."""
 
-    def step(self, t: Trainer, step: int, trajectories_out: TextIO) -> Row:
+    def step(self, parts: RunParts, step: int, trajectories_out: TextIO) -> Row:
         started = time.perf_counter()
-        version = self.learner_version(t)
-        collected = self._batch(t, step)
+        version = self.learner_version(parts)
+        collected = self._batch(parts, step)
         waited = time.perf_counter() - started
         synced: Row = {}
-        for ahead in range(step + 1, min(step + 1 + self.depth, t.config.steps)):
+        for ahead in range(step + 1, min(step + 1 + self.depth, parts.config.steps)):
             if ahead not in self._queue:  # sampled by the weights of now, or newer ones
-                synced.update(self._queue_batch(t, ahead))
-        row = update_phase(t, step, collected, version, trajectories_out)
+                synced.update(self._queue_batch(parts, ahead))
+        row = update_phase(parts, step, collected, version, trajectories_out)
         add_timings(row, synced)  # the batch's own sync may have timed it too
         self._version = version + 1
-        if step + 1 < t.config.steps:
-            if self.depth > 1 or (self.partial and t.workers is None):
-                self._publish(t)
-            if self.partial and t.workers is not None:
-                add_timings(row, self._offer(t))
+        if step + 1 < parts.config.steps:
+            if self.depth > 1 or (self.partial and parts.workers is None):
+                self._publish(parts)
+            if self.partial and parts.workers is not None:
+                add_timings(row, self._offer(parts))
         step_s = time.perf_counter() - started
         row["perf/rollout_s"], row["perf/rollout_wait_s"] = collected.rollout_s, waited
         row["perf/step_s"], row["perf/train_s"] = step_s, step_s - waited
         row["perf/tokens_per_s"] = row.pop("_tokens") / max(step_s, 1e-9)
         return row
 
-    def learner_version(self, t: Trainer) -> int:
+    def learner_version(self, parts: RunParts) -> int:
         if self._version is None:  # the first step: the engine starts with the learner's
-            self._version = t.backend.policy_version
+            self._version = parts.backend.policy_version
         return self._version
 
-    def before_eval(self, t: Trainer) -> Row:
+    def before_eval(self, parts: RunParts) -> Row:
         """Let the batches collected ahead finish (each is kept for its step), then give
         the engine the learner's weights: evaluations measure the learner's policy. The
         sync's metrics (the step's row adds them to its own)."""
         for ahead in list(self._queue):
-            self._wait(t, ahead, keep=True)
+            self._wait(parts, ahead, keep=True)
         try:  # the background thread is done with the engine (overlapping batches' program)
             self._pool.submit(lambda: None).result(timeout=HAND_BACK_S)
         except concurrent.futures.TimeoutError as exc:
@@ -203,7 +203,7 @@ class Ahead:
                 f"the rollout thread did not hand the engine back within {HAND_BACK_S:.0f} s "
                 "of its last batch"
             ) from exc
-        return self._bring_engine(t)
+        return self._bring_engine(parts)
 
     def close(self) -> None:
         """Drop the batches queued ahead: those not started never run, the one running is
@@ -217,62 +217,64 @@ class Ahead:
         if self._hooked is not None:
             self._hooked.turn_sync, self._hooked = None, None
 
-    def take_weights_between_turns(self, t: Trainer) -> None:
+    def take_weights_between_turns(self, parts: RunParts) -> None:
         """Partial rollouts: give the engine the hook that syncs it mid-batch from the
         published weights (protocols.TurnSync). With rollout workers, which sample the
         batches, ``_offer`` after each update instead."""
-        if t.workers is not None:
+        if parts.workers is not None:
             return
-        t.backend.turn_sync = TurnSync(
-            wanted=lambda: self._newer(t), apply=lambda: self._between_turns(t)
+        parts.backend.turn_sync = TurnSync(
+            wanted=lambda: self._newer(parts), apply=lambda: self._between_turns(parts)
         )
-        self._hooked = t.backend
+        self._hooked = parts.backend
 
-    def _offer(self, t: Trainer) -> Row:
+    def _offer(self, parts: RunParts) -> Row:
         """Partial rollouts on rollout workers, after an update: the driver's engine (idle:
         the workers sample) takes the learner's weights, and the workers are offered them
         to take between turns (``RolloutWorkers.offer``); the offer's metrics."""
-        assert t.workers is not None
+        assert parts.workers is not None
         with self._lock:
-            version = self.learner_version(t)
-            t.backend.sync(t.learner.model)
-            t.backend.policy_version = version
-            return t.workers.offer(t.learner.model, version)
+            version = self.learner_version(parts)
+            parts.backend.sync(parts.learner.model)
+            parts.backend.policy_version = version
+            return parts.workers.offer(parts.learner.model, version)
 
-    def _newer(self, t: Trainer) -> bool:
+    def _newer(self, parts: RunParts) -> bool:
         """Whether the published weights are newer than the engine's (read without the
         lock: a stale answer only moves the sync by one decoding step)."""
         p = self._published
-        return p is not None and p.version > t.backend.policy_version
+        return p is not None and p.version > parts.backend.policy_version
 
-    def _between_turns(self, t: Trainer) -> None:
+    def _between_turns(self, parts: RunParts) -> None:
         """On the engine's thread, mid-batch, nothing being decoded: take the published
         weights, counted and timed for the batch's row."""
         started = time.perf_counter()
-        if self._take_published(t) is not None:
+        if self._take_published(parts) is not None:
             self._mid_batch_syncs += 1
             self._mid_batch_sync_s += time.perf_counter() - started
 
-    def _batch(self, t: Trainer, step: int) -> Collected:
+    def _batch(self, parts: RunParts, step: int) -> StepRollouts:
         if step in self._queue:
-            return self._wait(t, step, keep=False)
-        return self._rollout(t, step)  # the first step (or the first after a resume)
+            return self._wait(parts, step, keep=False)
+        return self._rollout(parts, step)  # the first step (or the first after a resume)
 
-    def _rollout(self, t: Trainer, step: int) -> Collected:
+    def _rollout(self, parts: RunParts, step: int) -> StepRollouts:
         """``rollout_phase``, with the mid-batch syncs it saw in its row."""
         syncs = self._mid_batch_syncs, self._mid_batch_sync_s
-        return self._with_syncs(t, rollout_phase(t, step), syncs)
+        return self._with_syncs(parts, rollout_phase(parts, step), syncs)
 
-    def _with_syncs(self, t: Trainer, collected: Collected, before: tuple[int, float]) -> Collected:
+    def _with_syncs(
+        self, parts: RunParts, collected: StepRollouts, before: tuple[int, float]
+    ) -> StepRollouts:
         """``collected`` with the mid-batch syncs since the counts ``before`` in its row
         (partial rollouts, the engine in this process: rollout workers take their offers on
         their own). With overlapping batches a sync counts in every batch it fell in."""
-        if self.partial and t.workers is None:
+        if self.partial and parts.workers is None:
             collected.row["rollout/mid_batch_syncs"] = float(self._mid_batch_syncs - before[0])
             collected.row["perf/mid_batch_sync_s"] = self._mid_batch_sync_s - before[1]
         return collected
 
-    def _queue_batch(self, t: Trainer, step: int) -> Row:
+    def _queue_batch(self, parts: RunParts, step: int) -> Row:
         """Queue the rollout of ``step``. An idle engine takes the learner's weights now
         (the sync's metrics); a busy one takes the newest published ones before it starts
         this batch (their metrics go in this batch's row). Overlapping batches: the batch
@@ -282,53 +284,53 @@ class Ahead:
         if self.overlap:
             if self._concurrent is None:  # on the engine, or beside the workers' calls
                 self._concurrent = ConcurrentPrograms(
-                    lambda program: run_program(t, program), self._pool
+                    lambda program: run_program(parts, program), self._pool
                 )
-            self._queue[step] = self._concurrent.submit(lambda: self._overlapped(t, step))
+            self._queue[step] = self._concurrent.submit(lambda: self._overlapped(parts, step))
             return {}
         synced: Row = {}
         if all(f.done() for f in self._queue.values()):  # nothing runs: sync it here
-            synced = self._bring_engine(t)
-        self._queue[step] = self._pool.submit(self._collect, t, step)
+            synced = self._bring_engine(parts)
+        self._queue[step] = self._pool.submit(self._collect, parts, step)
         return synced
 
-    async def _overlapped(self, t: Trainer, step: int) -> Collected:
+    async def _overlapped(self, parts: RunParts, step: int) -> StepRollouts:
         """One overlapping batch: ``rollout_program`` with its mid-batch syncs."""
         syncs = self._mid_batch_syncs, self._mid_batch_sync_s
-        return self._with_syncs(t, await rollout_program(t, step), syncs)
+        return self._with_syncs(parts, await rollout_program(parts, step), syncs)
 
-    def _collect(self, t: Trainer, step: int) -> tuple[Collected, int]:
+    def _collect(self, parts: RunParts, step: int) -> tuple[StepRollouts, int]:
         """In the background thread: sync the engine from the published weights if they
         are newer than its own, then collect ``step``'s batch (alone: 1 at once)."""
-        synced = self._take_published(t) or {}
-        collected = self._rollout(t, step)
+        synced = self._take_published(parts) or {}
+        collected = self._rollout(parts, step)
         collected.row.update(synced)
         return collected, 1
 
-    def _take_published(self, t: Trainer) -> Row | None:
+    def _take_published(self, parts: RunParts) -> Row | None:
         """Sync the engine from the published weights if they are newer than its own (the
         sync's metrics), else None. Nothing may be sampling."""
         with self._lock:
             p = self._published
-            if p is None or p.version <= t.backend.policy_version:
+            if p is None or p.version <= parts.backend.policy_version:
                 return None
-            return sync_engines(t, p.version, p.model)
+            return sync_engines(parts, p.version, p.model)
 
-    def _publish(self, t: Trainer) -> None:
+    def _publish(self, parts: RunParts) -> None:
         """After an update: the learner's weights, copied for the background thread."""
         with self._lock, torch.no_grad():
-            version = self.learner_version(t)
+            version = self.learner_version(parts)
             if self._published is None:
-                self._published = Published(copy.deepcopy(t.learner.model), version)
+                self._published = PublishedWeights(copy.deepcopy(parts.learner.model), version)
             else:
-                self._published.model.load_state_dict(t.learner.model.state_dict())
+                self._published.model.load_state_dict(parts.learner.model.state_dict())
                 self._published.version = version
 
-    def _wait(self, t: Trainer, step: int, *, keep: bool) -> Collected:
+    def _wait(self, parts: RunParts, step: int, *, keep: bool) -> StepRollouts:
         """The batch of ``step``, collected ahead (kept queued with ``keep``)."""
         future = self._queue[step] if keep else self._queue.pop(step)
-        r = t.config.rollout
-        rounds = t.config.algorithm.filter.max_rounds
+        r = parts.config.rollout
+        rounds = parts.config.algorithm.filter.max_rounds
         deadline = r.episode_timeout_s * rounds + 600 if r.episode_timeout_s else AHEAD_DEADLINE_S
         try:
             collected, at_once = future.result(timeout=deadline)
@@ -341,12 +343,12 @@ class Ahead:
             collected.row["rollout/batches_at_once"] = float(at_once)
         return collected
 
-    def _bring_engine(self, t: Trainer) -> Row:
+    def _bring_engine(self, parts: RunParts) -> Row:
         """The engine (and the rollout workers) get the learner's weights and version
         (nothing is sampling now); the workers' sync metrics."""
-        version = self.learner_version(t)
-        if t.backend.policy_version != version:
-            return sync_engines(t, version)
+        version = self.learner_version(parts)
+        if parts.backend.policy_version != version:
+            return sync_engines(parts, version)
         return {}
 
 
@@ -356,12 +358,14 @@ def add_timings(row: Row, timings: Row) -> None:
         row[key] = row.get(key, 0.0) + seconds
 
 
-def stepper(t: Trainer) -> Synchronous | Ahead:
+def stepper(parts: RunParts) -> SynchronousStepper | PipelinedStepper:
     """The step mode ``algorithm.max_staleness`` asks for."""
-    algo = t.config.algorithm
+    algo = parts.config.algorithm
     if algo.max_staleness == 0:
-        return Synchronous()
-    ahead = Ahead(algo.max_staleness, partial=algo.partial_rollouts, overlap=algo.overlapping)
+        return SynchronousStepper()
+    ahead = PipelinedStepper(
+        algo.max_staleness, partial=algo.partial_rollouts, overlap=algo.overlapping
+    )
     if algo.partial_rollouts:
-        ahead.take_weights_between_turns(t)
+        ahead.take_weights_between_turns(parts)
     return ahead

@@ -46,7 +46,7 @@ from turnrl.rollout.groups import GroupSpec
 from turnrl.trainer.checkpoint import load_extra, load_trainer_state, save_start_policy
 from turnrl.trainer.config import Config, resolved
 from turnrl.trainer.learner import Learner
-from turnrl.trainer.step import Trainer, run_groups
+from turnrl.trainer.step import RunParts, run_groups
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 from turnrl.trainer.workers import RolloutWorkers
 
@@ -134,7 +134,7 @@ def in_process_learner(spec: LearnerSpec) -> Learner:
 class Started:
     """What start-up built, for the loop."""
 
-    trainer: Trainer
+    parts: RunParts
     tokenizer: Any
     row: Row
     """The step-0 row so far: the warm-up's numbers and the start-up checks'."""
@@ -155,19 +155,19 @@ def start(
     (``load_state``); check the chat template, then start the rollout workers (if
     ``make_workers``) with the weights step 1 samples with, then check the sampler on the
     engines that sample (the workers', if any)."""
-    t, tokenizer, first, model_path = _build(
+    parts, tokenizer, first, model_path = _build(
         config, spec, run_dir, checkpoint, progress, make_learner,
         samples_here=make_workers is None,
     )  # fmt: skip
-    step = load_state(t, checkpoint) if checkpoint is not None else 0
-    first.update(check_template(t, progress))  # before any worker starts: it needs none
+    step = load_state(parts, checkpoint) if checkpoint is not None else 0
+    first.update(check_template(parts, progress))  # before any worker starts: it needs none
     if make_workers is not None:  # they start with the weights step 1 samples with
         made = WorkersSpec(
-            config, spec, t.learner.model, tokenizer, t.backend.policy_version, model_path
+            config, spec, parts.learner.model, tokenizer, parts.backend.policy_version, model_path
         )
-        t = dataclasses.replace(t, workers=make_workers(made))
-    first.update(check_sampler(t))  # on the engines that sample: the workers', if any
-    return Started(t, tokenizer, first, step)
+        parts = dataclasses.replace(parts, workers=make_workers(made))
+    first.update(check_sampler(parts))  # on the engines that sample: the workers', if any
+    return Started(parts, tokenizer, first, step)
 
 
 def _build(
@@ -179,10 +179,10 @@ def _build(
     make_learner: MakeLearner | None = None,
     *,
     samples_here: bool = True,
-) -> tuple[Trainer, Any, Row, Path]:
+) -> tuple[RunParts, Any, Row, Path]:
     """The model (built, or loaded from ``checkpoint``), warmed up on a fresh run; the
     learner (``make_learner``'s, or in this process) with its reference policy; the engine.
-    Returns the trainer, the tokenizer, the step-0 row so far (the warm-up's numbers) and
+    Returns the run's parts, the tokenizer, the step-0 row so far (the warm-up's numbers) and
     the model directory the engines are built from.
 
     ``samples_here=False`` (the run has rollout workers, which hold the engines): the
@@ -232,7 +232,7 @@ def _build(
         else TorchBackend(model, tokenizer)
     )
     return (
-        Trainer.build(config, spec, backend, learner, renderer, limits, sampling),
+        RunParts.build(config, spec, backend, learner, renderer, limits, sampling),
         tokenizer,
         first,
         model_path,
@@ -367,21 +367,23 @@ def engine_weights(model: Any) -> dict[str, torch.Tensor]:
     return merged_state_dict(model) if is_lora(model) else dict(model.state_dict())
 
 
-def check_template(t: Trainer, progress: bool = False) -> Row:
+def check_template(parts: RunParts, progress: bool = False) -> Row:
     """Before step 1: the chat template on a probe tool episode in the environment's call
     format (``template_report``). A tool result that would become control tokens, or ids
     that do not decode to the rendered text, stop the run; a template that rewrites
     history only warns (each tool episode is then split into per-turn samples, counted as
     ``rollout/template_breaks``)."""
-    env = t.spec.make_env()
+    env = parts.spec.make_env()
     call_format = env_format(env)
     if call_format is None:  # an environment without a tool-call format: nothing to probe
         return {}
-    tools = _tool_schemas(t, env)
+    tools = _tool_schemas(parts, env)
     if tools is None:  # the environment's tools failed to build: its episodes will say why
         return {}
-    report = template_report(t.renderer, call_format, t.sampling.stop_token_ids, tools=tools)
-    if call_format.template_tools and not t.renderer.template_tools:
+    report = template_report(
+        parts.renderer, call_format, parts.sampling.stop_token_ids, tools=tools
+    )
+    if call_format.template_tools and not parts.renderer.template_tools:
         say(
             f"the model's chat template does not render tools: turnrl writes the "
             f"{call_format.name} tool list into the system turn, and the calls and results "
@@ -402,7 +404,7 @@ def check_template(t: Trainer, progress: bool = False) -> Row:
     }
 
 
-def _tool_schemas(t: Trainer, env: Env) -> list[Any] | None:
+def _tool_schemas(parts: RunParts, env: Env) -> list[Any] | None:
     """The tools ``env`` offers on the first test task (the probe calls the first one);
     none where they cannot be read without an episode (the probe then uses its own); None
     where building them fails: a bug in the environment is reported by its episodes, with
@@ -412,7 +414,9 @@ def _tool_schemas(t: Trainer, env: Env) -> list[Any] | None:
 
     async def tools_of() -> list[Any] | None:
         try:
-            await env.reset(t.spec.task(0, split="test"), derive_seed(t.config.seed, "template"))
+            await env.reset(
+                parts.spec.task(0, split="test"), derive_seed(parts.config.seed, "template")
+            )
             tools = env_tools(env)
             return None if tools is None else list(tools.schemas())
         except Exception:
@@ -423,21 +427,21 @@ def _tool_schemas(t: Trainer, env: Env) -> list[Any] | None:
     return asyncio.run(tools_of())
 
 
-def check_sampler(t: Trainer) -> Row:
+def check_sampler(parts: RunParts) -> Row:
     """Before step 1: the engine's log-probs of a probe batch against the learner's (the
     rollout workers' engines where the run has them: those are what sample).
 
     A gap above ``rollout.startup_tolerance`` stops the run with what was measured: the
     importance weights would otherwise correct (or hide) an engine that samples from
     other numbers than the learner trains (another dtype or kernel, unsynced weights)."""
-    c = t.config
-    tasks = [t.spec.task(i, split="test") for i in range(4)]
-    probe = GroupSpec(2, t.limits, t.sampling, seed=derive_seed(c.seed, "startup"))
-    groups = run_groups(t, tasks, probe)
+    c = parts.config
+    tasks = [parts.spec.task(i, split="test") for i in range(4)]
+    probe = GroupSpec(2, parts.limits, parts.sampling, seed=derive_seed(c.seed, "startup"))
+    groups = run_groups(parts, tasks, probe)
     samples = [s for g in groups for x in trainable(g) for s in x.samples()]
     if not samples:
         return {}
-    gap = t.learner.sampler_gap(samples, t.backend.pad_id)
+    gap = parts.learner.sampler_gap(samples, parts.backend.pad_id)
     if gap > c.rollout.startup_tolerance:
         raise BackendError(
             f"the sampler ({c.rollout.backend}) and the learner disagree before training: "
@@ -449,16 +453,16 @@ def check_sampler(t: Trainer) -> Row:
     return {"startup/logprob_gap_max": gap}
 
 
-def load_state(t: Trainer, checkpoint: Path) -> int:
+def load_state(parts: RunParts, checkpoint: Path) -> int:
     """Restore the optimizer, the policy version and the critic from ``checkpoint``;
     return the step to continue from."""
-    state = load_trainer_state(checkpoint, t.learner.optimizer)
-    t.backend.policy_version = state.policy_version
+    state = load_trainer_state(checkpoint, parts.learner.optimizer)
+    parts.backend.policy_version = state.policy_version
     extra = load_extra(checkpoint)
-    if t.learner.critic is not None:
+    if parts.learner.critic is not None:
         if extra is None or "critic" not in extra:
             raise ConfigError(f"{checkpoint} has no critic state to resume PPO from")
-        t.learner.critic.load_state_dict(extra["critic"])
+        parts.learner.critic.load_state_dict(extra["critic"])
     return state.step
 
 

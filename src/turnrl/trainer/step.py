@@ -1,6 +1,6 @@
 """One training step, top to bottom: collect, rewards, select, advantages, update, sync.
 
-``Trainer`` holds what every step needs, built once at start-up (startup.py): the run's
+``RunParts`` holds what every step needs, built once at start-up (startup.py): the run's
 configuration, the environment family, the engine (any ``Backend``), the learner, the
 chat renderer, the episode limits and sampling settings, and the choices of the algorithm
 resolved to functions (``ESTIMATORS`` for the advantages, the learner's update). Each phase
@@ -51,9 +51,10 @@ EXTRA_TASKS = 10**9
 
 
 @dataclass(frozen=True)
-class Trainer:
-    """Everything a step needs, built once at start-up (``config`` may change on an alarm
-    with ``monitor.action = "filter"``: ``with_config``)."""
+class RunParts:
+    """The run's parts: everything a step needs, built once at start-up (``config`` may
+    change on an alarm with ``monitor.action = "filter"``: ``with_config``). It trains
+    nothing itself: the step's phases below take it, and the loop (loop.py) runs them."""
 
     config: Config
     spec: EnvSpec
@@ -79,55 +80,55 @@ class Trainer:
         renderer: ChatRenderer,
         limits: EpisodeLimits,
         sampling: SamplingParams,
-    ) -> Trainer:
+    ) -> RunParts:
         estimator = ESTIMATORS[config.algorithm.advantage]
         update = learner.step_samples_gae if estimator.critic else learner.step_samples
         return cls(config, spec, backend, learner, renderer, limits, sampling, estimator, update)
 
-    def with_config(self, config: Config) -> Trainer:
+    def with_config(self, config: Config) -> RunParts:
         return dataclasses.replace(self, config=config)
 
 
-def run_groups(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+def run_groups(parts: RunParts, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
     """``tasks``' groups of episodes (``groups_of``), run to completion."""
-    return run_program(t, groups_of(t, tasks, spec))
+    return run_program(parts, groups_of(parts, tasks, spec))
 
 
-async def groups_of(t: Trainer, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
+async def groups_of(parts: RunParts, tasks: Sequence[Task], spec: GroupSpec) -> Groups:
     """``tasks``' groups of episodes: on the rollout workers if the run has any, else on
     the trainer's engine (within its ``run``)."""
-    if t.workers is not None:
-        return await t.workers.collect(tasks, spec)
-    return await collect_groups(tasks, t.spec.make_env, t.backend, t.renderer, spec)
+    if parts.workers is not None:
+        return await parts.workers.collect(tasks, spec)
+    return await collect_groups(tasks, parts.spec.make_env, parts.backend, parts.renderer, spec)
 
 
-def run_program(t: Trainer, program: Coroutine[Any, Any, T]) -> T:
+def run_program(parts: RunParts, program: Coroutine[Any, Any, T]) -> T:
     """Run ``program`` on the trainer's engine, or, with rollout workers, on an event loop
     of its own (where it waits for the workers' answers)."""
-    return asyncio.run(program) if t.workers is not None else t.backend.run(program)
+    return asyncio.run(program) if parts.workers is not None else parts.backend.run(program)
 
 
-def sync_engines(t: Trainer, version: int | None = None, model: Any = None) -> Row:
+def sync_engines(parts: RunParts, version: int | None = None, model: Any = None) -> Row:
     """After an update: the engine takes the learner's weights (or ``model``'s, a copy of
     them: trainer/pipeline.py) and its policy version moves on, or becomes ``version``; so
     do the rollout workers. The workers' sync metrics, and a sleeping engine's sleep and
     wake times (``Backend.sleep_metrics``)."""
-    source = t.learner.model if model is None else model
-    t.backend.sync(source)
+    source = parts.learner.model if model is None else model
+    parts.backend.sync(source)
     if version is not None:
-        t.backend.policy_version = version
-    row: Row = dict(t.backend.sleep_metrics())
-    if t.workers is not None:
-        row.update(t.workers.sync(source, t.backend.policy_version))
+        parts.backend.policy_version = version
+    row: Row = dict(parts.backend.sleep_metrics())
+    if parts.workers is not None:
+        row.update(parts.workers.sync(source, parts.backend.policy_version))
     return row
 
 
-def train_step(t: Trainer, step: int, trajectories_out: TextIO) -> Row:
+def train_step(parts: RunParts, step: int, trajectories_out: TextIO) -> Row:
     """One RL step: the metrics row of ``step`` (counted from 0; the row says step + 1)."""
     t0 = time.perf_counter()
-    collected = rollout_phase(t, step)
-    row = update_phase(t, step, collected, t.backend.policy_version, trajectories_out)
-    row.update(sync_engines(t))  # 6. the engines sample with the new weights from here on
+    collected = rollout_phase(parts, step)
+    row = update_phase(parts, step, collected, parts.backend.policy_version, trajectories_out)
+    row.update(sync_engines(parts))  # 6. the engines sample with the new weights from here on
     return timed(row, collected.rollout_s, time.perf_counter() - t0)
 
 
@@ -141,7 +142,7 @@ def timed(row: Row, rollout_s: float, step_s: float) -> Row:
 
 
 @dataclass
-class Collected:
+class StepRollouts:
     """What the rollout phase of one step gathered, for its update phase."""
 
     groups: Groups
@@ -154,59 +155,67 @@ class Collected:
     """Seconds the rollout took."""
 
 
-def rollout_phase(t: Trainer, step: int) -> Collected:
+def rollout_phase(parts: RunParts, step: int) -> StepRollouts:
     """Step ``step``'s episodes (DAPO: until groups are informative), checked for failures:
     ``rollout_program``, run (``run_program``)."""
     t0 = time.perf_counter()
-    collected = run_program(t, rollout_program(t, step))
+    collected = run_program(parts, rollout_program(parts, step))
     collected.rollout_s = time.perf_counter() - t0  # the engine's start-up included
     return collected
 
 
-async def rollout_program(t: Trainer, step: int) -> Collected:
+async def rollout_program(parts: RunParts, step: int) -> StepRollouts:
     """The rollout phase as a program of the engine's event loop, so that the batches of
     several steps can share one engine (``algorithm.overlap_batches``: pipeline.py)."""
     t0 = time.perf_counter()
-    groups, sampled, row = await collect(t, step)
-    check_failures([x for g in sampled for x in g], t.config.rollout.max_error_frac,
+    groups, sampled, row = await collect(parts, step)
+    check_failures([x for g in sampled for x in g], parts.config.rollout.max_error_frac,
                    f"step {step + 1}")  # fmt: skip
-    return Collected(groups, sampled, row, time.perf_counter() - t0)
+    return StepRollouts(groups, sampled, row, time.perf_counter() - t0)
 
 
 def update_phase(
-    t: Trainer, step: int, c: Collected, learner_version: int, trajectories_out: TextIO
+    parts: RunParts,
+    step: int,
+    rollouts: StepRollouts,
+    learner_version: int,
+    trajectories_out: TextIO,
 ) -> Row:
-    """Rewards, selection, credit and the policy update on ``c``; the step's metrics row.
+    """Rewards, selection, credit and the policy update on ``rollouts``; the step's metrics row.
     ``learner_version``: the policy version of the learner's weights before this update
     (the sampler's, in a synchronous run; up to ``algorithm.max_staleness`` newer than the
     trajectories' in an asynchronous one). The engine is not synced here (the caller does)."""
-    groups, row = c.groups, c.row
-    versions = version_metrics(c.sampled, learner_version, t.config.algorithm)
-    kl = shape_rewards(t, groups, row)  # 2. rewards: overlong penalty, a KL in the reward
-    groups = select(t, groups, row)  # 3. StarPO-S variance filter
-    values = t.estimator.assign(t.config.algorithm, groups, kl, shuffle_seed(t.config, step))  # 4.
-    samples, sample_values = trainable_samples(t, groups, values)
+    groups, row = rollouts.groups, rollouts.row
+    versions = version_metrics(rollouts.sampled, learner_version, parts.config.algorithm)
+    kl = shape_rewards(parts, groups, row)  # 2. rewards: overlong penalty, a KL in the reward
+    groups = select(parts, groups, row)  # 3. StarPO-S variance filter
+    values = parts.estimator.assign(
+        parts.config.algorithm, groups, kl, shuffle_seed(parts.config, step)
+    )  # 4.
+    samples, sample_values = trainable_samples(parts, groups, values)
     if samples:
-        row.update(t.update(samples, sample_values, t.backend.pad_id))  # 5. the policy update
+        row.update(
+            parts.update(samples, sample_values, parts.backend.pad_id)
+        )  # 5. the policy update
 
-    row = {"step": step + 1, **rollout_metrics(c.sampled), **row}
+    row = {"step": step + 1, **rollout_metrics(rollouts.sampled), **row}
     row.update(versions)  # how many policy versions behind the learner they were sampled
     row["rollout/dropped_errors"] = float(sum(x.error is not None for g in groups for x in g))
-    if t.config.algorithm.overlong.filter:
+    if parts.config.algorithm.overlong.filter:
         row["select/truncated_excluded"] = float(sum(x.truncated for g in groups for x in g))
-    row["_tokens"] = sum(x.num_tokens for g in c.sampled for x in g)  # for ``timed``
-    log_trajectories(t, step, groups, values, trajectories_out)
+    row["_tokens"] = sum(x.num_tokens for g in rollouts.sampled for x in g)  # for ``timed``
+    log_trajectories(parts, step, groups, values, trajectories_out)
     return row
 
 
-async def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
+async def collect(parts: RunParts, step: int) -> tuple[Groups, Groups, Row]:
     """This step's groups to train on, every group sampled, and selection metrics.
 
     ``prompts_per_step`` groups; with DAPO dynamic sampling, only groups whose rewards
     differ (``informative_groups``) are kept and more prompts are sampled (at most
     ``filter.max_rounds`` rounds in all) until the batch is full.
     """
-    r, algo = t.config.rollout, t.config.algorithm
+    r, algo = parts.config.rollout, parts.config.algorithm
     kept: Groups = []
     sampled: Groups = []
     rounds = 0
@@ -215,18 +224,22 @@ async def collect(t: Trainer, step: int) -> tuple[Groups, Groups, Row]:
         base = step * r.prompts_per_step if rounds == 0 else EXTRA_TASKS + (
             step * algo.filter.max_rounds + rounds
         ) * r.prompts_per_step  # fmt: skip
-        tasks = [t.spec.task(base + j) for j in range(r.prompts_per_step)]
-        seed = derive_seed(t.config.seed, step, *([rounds] if rounds else []))
+        tasks = [parts.spec.task(base + j) for j in range(r.prompts_per_step)]
+        seed = derive_seed(parts.config.seed, step, *([rounds] if rounds else []))
         group_spec = GroupSpec(
-            r.group_size, t.limits, t.sampling, seed=seed, policy_version=t.backend.policy_version
+            r.group_size,
+            parts.limits,
+            parts.sampling,
+            seed=seed,
+            policy_version=parts.backend.policy_version,
         )
-        new = await groups_of(t, tasks, group_spec)
+        new = await groups_of(parts, tasks, group_spec)
         sampled.extend(new)
         rounds += 1
         if algo.filter.dynamic_sampling:
             new = [g for g in new if _informative(g)]
         kept.extend(new)
-    row: Row = t.workers.take_metrics() if t.workers is not None else {}
+    row: Row = parts.workers.take_metrics() if parts.workers is not None else {}
     if algo.filter.dynamic_sampling:
         row["select/sample_rounds"] = float(rounds)
         row["select/groups_sampled"] = float(len(sampled))
@@ -242,12 +255,12 @@ def _informative(group: Sequence[Trajectory]) -> bool:
     )
 
 
-def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
+def shape_rewards(parts: RunParts, groups: Groups, row: Row) -> KL:
     """Every change to the rewards, in one place: DAPO's soft overlong penalty (a reward
     component and part of the reward) and, with ``kl.placement = "reward"``, the KL to the
     reference (the ``kl_penalty`` component: summed into the reward for sequence-level
     estimators, returned per token for those that pay it token by token)."""
-    algo, r = t.config.algorithm, t.config.rollout
+    algo, r = parts.config.algorithm, parts.config.rollout
     if algo.overlong.penalty_tokens and groups:
         lengths = torch.tensor([[x.num_completion_tokens for x in g] for g in groups])
         penalty = overlong_penalty(
@@ -265,21 +278,21 @@ def shape_rewards(t: Trainer, groups: Groups, row: Row) -> KL:
         return {}
     trajectories = [x for g in groups for x in trainable(g)]
     samples = [s for x in trajectories for s in x.samples()]
-    per_sample = iter(t.learner.reference_kl(samples, t.backend.pad_id))
+    per_sample = iter(parts.learner.reference_kl(samples, parts.backend.pad_id))
     out: dict[int, list[list[float]]] = {}
     for traj in trajectories:
         kl = [next(per_sample) for _ in traj.samples()]
         kl_penalty = -algo.kl.coef * sum(map(sum, kl))
         traj.reward_components["kl_penalty"] = kl_penalty
-        if not t.estimator.token_kl:
+        if not parts.estimator.token_kl:
             traj.reward += kl_penalty
         out[id(traj)] = kl
     return out
 
 
-def select(t: Trainer, groups: Groups, row: Row) -> Groups:
+def select(parts: RunParts, groups: Groups, row: Row) -> Groups:
     """StarPO-S: keep the top ``algorithm.filter.variance_keep`` of groups by reward std (all when 1)."""
-    keep = t.config.algorithm.filter.variance_keep
+    keep = parts.config.algorithm.filter.variance_keep
     if keep >= 1.0 or not groups:
         return groups
     rewards = torch.tensor([[x.reward for x in g] for g in groups], dtype=torch.float64)
@@ -290,14 +303,14 @@ def select(t: Trainer, groups: Groups, row: Row) -> Groups:
 
 
 def trainable_samples(
-    t: Trainer, groups: Groups, values: Sequence[Sequence[SampleValues]]
+    parts: RunParts, groups: Groups, values: Sequence[Sequence[SampleValues]]
 ) -> tuple[list[Sample], list[float | list[float]]]:
     """The token-exact samples trained on, each with its value(s): members without an
     error, and with DAPO's overlong filter, not truncated ones (``select/truncated_excluded``
     counts those)."""
     samples: list[Sample] = []
     sample_values: list[float | list[float]] = []
-    overlong_filter = t.config.algorithm.overlong.filter
+    overlong_filter = parts.config.algorithm.overlong.filter
     for group, group_values in zip(groups, values, strict=True):
         keep = {id(x) for x in trainable(group) if not (overlong_filter and x.truncated)}
         for traj, value in zip(group, group_values, strict=True):
@@ -315,7 +328,7 @@ def shuffle_seed(config: Config, step: int) -> int | None:
 
 
 def log_trajectories(
-    t: Trainer,
+    parts: RunParts,
     step: int,
     groups: Groups,
     values: Sequence[Sequence[SampleValues]],
@@ -324,10 +337,10 @@ def log_trajectories(
     """The first ``log_groups`` groups to trajectories.jsonl, each trajectory with its mean
     advantage over sampled tokens (none for a critic's token rewards)."""
     for g, (group, group_values) in enumerate(zip(groups, values, strict=True)):
-        if g >= t.config.log_groups:
+        if g >= parts.config.log_groups:
             break
         for traj, value in zip(group, group_values, strict=True):
-            summary = None if t.estimator.critic else _mean_sampled(traj, value)
+            summary = None if parts.estimator.critic else _mean_sampled(traj, value)
             line = {"step": step + 1, "group": g, "advantage": summary, **traj.to_json()}
             out.write(json.dumps(line) + "\n")
     out.flush()
