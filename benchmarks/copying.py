@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from outputs import parse_args
 from training_runs import write_results
-from turnrl import load_config, make_env_spec
+from turnrl import load_config, make_env_family
 from turnrl.envs.search_qa import build_world
 from turnrl.models import build_tiny_model
 from turnrl.models.pretrain import made_up_word
@@ -52,7 +52,7 @@ def build(out: Path, echo_steps: int, echo_novel: float, extra: list[str] | None
     overrides)."""
     recipe = load_config("search_qa", [f"model.echo_steps={echo_steps}",
                                        f"model.echo_novel={echo_novel}", *(extra or [])])  # fmt: skip
-    spec = make_env_spec(recipe.env.name, **recipe.env.options)
+    spec = make_env_family(recipe.env.name, **recipe.env.options)
     return build_tiny_model(
         out, tiny_model_config(recipe), extra_corpus=spec.corpus(), overwrite=True
     )

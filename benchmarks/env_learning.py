@@ -40,7 +40,7 @@ from training_runs import (
     threads_per_job,
     write_results,
 )
-from turnrl import Environment, load_config, make_env_spec, train
+from turnrl import Environment, load_config, make_env_family, train
 
 ROOT = Path(__file__).resolve().parent
 RUNS = [
@@ -65,7 +65,7 @@ def run_recipe(
     wall = time.perf_counter() - t0
     curve = eval_curve(result.rows)
     tail = [v for _, _, v in curve[-5:]]
-    spec = env or make_env_spec(config.env.name, **config.env.options)
+    spec = env or make_env_family(config.env.name, **config.env.options)
     return {
         "run": run,
         "recipe": name,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from outputs import parse_args
-from turnrl import make_env_spec
+from turnrl import make_env_family
 from turnrl.envs.policy import Episode, HasOracle, play, replay
 
 ROOT = Path(__file__).resolve().parent
@@ -59,7 +59,7 @@ async def episodes(
     name: str, options: dict[str, Any], policy: str, num_tasks: int
 ) -> tuple[list[Episode], float]:
     """``policy`` ("oracle" or "random") on ``num_tasks`` test tasks, and the seconds taken."""
-    spec = make_env_spec(name, **options)
+    spec = make_env_family(name, **options)
     played = []
     t0 = time.perf_counter()
     for index in range(num_tasks):
@@ -73,7 +73,7 @@ async def episodes(
 
 
 def measure(name: str, options: dict[str, Any], num_tasks: int) -> dict[str, Any]:
-    spec = make_env_spec(name, **options)
+    spec = make_env_family(name, **options)
     chance = float(getattr(spec, "chance", math.nan))
     randoms, random_s = asyncio.run(episodes(name, options, "random", num_tasks))
     row: dict[str, Any] = {

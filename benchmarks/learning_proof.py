@@ -40,7 +40,7 @@ from training_runs import (
     threads_per_job,
     write_results,
 )
-from turnrl import load_config, make_env_spec, train
+from turnrl import load_config, make_env_family, train
 
 ROOT = Path(__file__).resolve().parent
 
@@ -64,7 +64,8 @@ def run_one(
     wall = time.perf_counter() - t0
     curve = eval_curve(result.rows)
     reached = first_reaching(curve, 0.9)
-    chance = make_env_spec(config.env.name, **config.env.options).chance  # type: ignore[attr-defined]
+    family = make_env_family(config.env.name, **config.env.options)
+    chance = family.chance  # type: ignore[attr-defined]
     return {
         "label": label,
         "overrides": overrides,

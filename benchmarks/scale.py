@@ -283,7 +283,7 @@ def tail_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same run with a slow group in every batch: synchronously, with k = 2 and
     partial rollouts, and with overlapping batches too, in process and on a rollout
     worker; median step seconds."""
-    from turnrl import load_config, make_env_spec, train
+    from turnrl import load_config, make_env_family, train
 
     out: dict[str, Any] = {"slow_s": args.tail_latency, "steps": args.async_steps}
     with tempfile.TemporaryDirectory(prefix="scale-tail-") as tmp:
@@ -298,7 +298,7 @@ def tail_section(args: argparse.Namespace) -> dict[str, Any]:
             if args.smoke:
                 settings += ["warmup.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
             config = load_config("quickstart", settings)
-            steady = make_env_spec(config.env.name, **config.env.options)
+            steady = make_env_family(config.env.name, **config.env.options)
             env = TailLookup(
                 **dataclasses.asdict(steady), per_step=config.rollout.prompts_per_step,
                 slow_s=args.tail_latency,
@@ -368,7 +368,7 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
     """The same run with max_staleness 0, 1 and 2, and 1 and 2 with partial rollouts, with a
     steady tool and with an uneven one: median and mean step/rollout/update seconds, and
     how far behind the sampled tokens were."""
-    from turnrl import load_config, make_env_spec, train
+    from turnrl import load_config, make_env_family, train
 
     out: dict[str, Any] = {
         "tool_latency_s": args.tool_latency, "epochs": args.epochs, "steps": args.async_steps,
@@ -393,7 +393,7 @@ def async_section(args: argparse.Namespace) -> dict[str, Any]:
                 config = load_config("quickstart", settings)
                 env = None
                 if tool == "uneven":
-                    steady = make_env_spec(config.env.name, **config.env.options)
+                    steady = make_env_family(config.env.name, **config.env.options)
                     env = UnevenLookup(
                         **dataclasses.asdict(steady), per_step=config.rollout.prompts_per_step
                     )
@@ -509,7 +509,7 @@ def sync_models(args: argparse.Namespace, section: str) -> Iterator[tuple[dict[s
 def workers_spec(n: int, weight_sync: str, made: Any, *more: str) -> Any:
     """The ``WorkersSpec`` of ``n`` one-thread workers synced by ``weight_sync`` for a
     model ``sync_models`` made (``more``: the run's other settings)."""
-    from turnrl import load_config, make_env_spec
+    from turnrl import load_config, make_env_family
     from turnrl.trainer.config import resolved
     from turnrl.trainer.startup import WorkersSpec
 
@@ -518,7 +518,7 @@ def workers_spec(n: int, weight_sync: str, made: Any, *more: str) -> Any:
         load_config(None, [f"cluster.rollout_workers={n}", "threads=1",
                            f"cluster.weight_sync={weight_sync}", *more])
     )  # fmt: skip
-    return WorkersSpec(c, make_env_spec(c.env.name, **c.env.options), model, tokenizer, 0, path)
+    return WorkersSpec(c, make_env_family(c.env.name, **c.env.options), model, tokenizer, 0, path)
 
 
 def section_meta(args: argparse.Namespace) -> dict[str, Any]:

@@ -120,9 +120,9 @@ def checkpoints(work: Path, extra: Sequence[str] = ()) -> dict[str, Path]:
 
 def write_tasks(path: Path, count: int) -> None:
     """The secret-lookup tasks both sides read, in order (prompt messages, answer, table)."""
-    from turnrl import make_env_spec
+    from turnrl import make_env_family
 
-    spec = make_env_spec("secret_lookup", **ENV_OPTIONS)
+    spec = make_env_family("secret_lookup", **ENV_OPTIONS)
     with path.open("w") as f:
         for i in range(count):
             task = spec.task(i)

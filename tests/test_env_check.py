@@ -21,7 +21,7 @@ from turnrl.envs import (
     ToolEnv,
     Verifier,
     check_env,
-    make_env_spec,
+    make_env_family,
 )
 from turnrl.envs.policy import Policy
 from turnrl.envs.reward_hack_probes import PROBES, Clues, answer_turn, shown_options
@@ -35,7 +35,7 @@ from turnrl.types import Message, StepResult, Task
 # test_swe.py checks swe (3 bugs)
 @pytest.mark.parametrize("name", sorted(set(ENVIRONMENTS) - {"swe"}))
 def test_check_passes_for_every_registered_environment(name: str) -> None:
-    report = check_env(make_env_spec(name), num_tasks=8)
+    report = check_env(make_env_family(name), num_tasks=8)
     assert report.ok, report.table()
     assert [c.name for c in report.checks] == [
         "tasks", "runs", "determinism", "schemas", "messages", "end flags", "rewards", "oracle",
@@ -55,7 +55,7 @@ def test_a_blanket_refusal_no_longer_solves_services_refusal_tasks() -> None:
     everyone, without looking anything up, solved every cancel-a-delivered-order task. A
     refusal now counts only after the user is authenticated and the order read: the
     probes earn nothing, and the oracle (which does both) still wins every task."""
-    report = check_env(make_env_spec("service"), num_tasks=24)
+    report = check_env(make_env_family("service"), num_tasks=24)
     assert report.ok, report.table()
     assert not report.findings, report.table()
     assert report.oracle_success == 1.0

@@ -534,7 +534,7 @@ def test_every_registered_environment_passes_the_template_check(tokenizer: Any) 
     single-tool format such as search_r1 or code can call nothing else)."""
     from types import SimpleNamespace
 
-    from turnrl.envs import make_env_spec, registry
+    from turnrl.envs import make_env_family, registry
     from turnrl.models.loading import stop_token_ids
     from turnrl.rollout.chat import ChatRenderer
     from turnrl.trainer.config import load_config
@@ -542,10 +542,10 @@ def test_every_registered_environment_passes_the_template_check(tokenizer: Any) 
 
     config = load_config(None, [])
     for name in registry.ENVIRONMENTS:  # search_qa's default format is search_r1
-        trainer: Any = SimpleNamespace(
-            spec=make_env_spec(name), renderer=ChatRenderer(tokenizer),
+        parts: Any = SimpleNamespace(
+            family=make_env_family(name), renderer=ChatRenderer(tokenizer),
             sampling=SimpleNamespace(stop_token_ids=stop_token_ids(tokenizer)), config=config,
         )  # fmt: skip
-        row = check_template(trainer)
+        row = check_template(parts)
         assert row["startup/template_round_trip"] == 1.0, name
         assert row["startup/observation_as_text"] == 1.0, name

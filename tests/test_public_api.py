@@ -17,7 +17,7 @@ PUBLIC = [
     "AgentEnvironment", "AgentProcesses", "Config", "ConfigError", "Environment", "EpisodeFailures", "EvalConfig", "Message",
     "RunResult", "StepResult", "Task", "TextEnv", "Tool", "ToolCall", "ToolEnv", "ToolSet", "Trajectory",
     "TurnrlError", "Verdict", "check_env", "evaluate", "get_format", "load_config",
-    "make_env_spec", "tool", "train",
+    "make_env_family", "tool", "train",
 ]  # fmt: skip
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from turnrl.envs import SecretLookup, make_env_spec
+from turnrl.envs import SecretLookup, make_env_family
 from turnrl.errors import ConfigError
 
 
@@ -18,17 +18,17 @@ def not_an_environment() -> str:
 
 
 def test_a_class_by_import_path_takes_its_fields_as_options() -> None:
-    spec = make_env_spec("turnrl.envs.secret_lookup:SecretLookup", num_keys=2, key_pool=2)
+    spec = make_env_family("turnrl.envs.secret_lookup:SecretLookup", num_keys=2, key_pool=2)
     assert spec == SecretLookup(num_keys=2, key_pool=2)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['colour'\]"):
-        make_env_spec("turnrl.envs.secret_lookup:SecretLookup", colour="red")
+        make_env_family("turnrl.envs.secret_lookup:SecretLookup", colour="red")
 
 
 def test_a_function_by_import_path_is_called_with_the_options() -> None:
-    spec = make_env_spec(f"{__name__}:small_probe", keys=3)
+    spec = make_env_family(f"{__name__}:small_probe", keys=3)
     assert spec == SecretLookup(num_keys=3, key_pool=3)
     with pytest.raises(ConfigError, match="does not take options"):
-        make_env_spec(f"{__name__}:small_probe", colour="red")
+        make_env_family(f"{__name__}:small_probe", colour="red")
 
 
 @pytest.mark.parametrize(
@@ -46,4 +46,4 @@ def test_a_function_by_import_path_is_called_with_the_options() -> None:
 )
 def test_bad_names_are_clear_errors(name: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        make_env_spec(name)
+        make_env_family(name)

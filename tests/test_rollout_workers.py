@@ -44,7 +44,7 @@ from turnrl.distributed.rollout_workers import (
     worker_calls_at_once,
     worker_resources,
 )
-from turnrl.envs import make_env_spec
+from turnrl.envs import make_env_family
 from turnrl.errors import BackendError, ConfigError
 from turnrl.rollout.groups import GroupSpec
 from turnrl.trainer.config import Config, load_config, resolved
@@ -95,7 +95,7 @@ def test_the_workers_of_a_cluster_it_starts_run_at_the_driver_s_priority(
     the module's shared cluster is not up yet.)"""
     assert not ray.is_initialized()
     c = resolved(config(1))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     workers = RayRolloutWorkers(WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 1)
     try:
         call = workers.actors[0].__ray_call__.remote(lambda actor: os.nice(0))
@@ -182,7 +182,7 @@ class Tripwire:
 
     def __init__(self, directory: Path, settings: Config | None = None) -> None:
         env = (settings or config(0)).env  # the small run's unless ``settings`` are given
-        self.inner = make_env_spec(env.name, **env.options)
+        self.inner = make_env_family(env.name, **env.options)
         self.directory = str(directory)
 
     def __getattr__(self, name: str) -> Any:
@@ -486,7 +486,7 @@ def test_a_worker_dead_at_the_sync_is_replaced_holding_the_new_weights(
     replaced too, and the sync sent again to both."""
     monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", 1)  # each tensor a collective
     c = resolved(config(2, f"cluster.weight_sync={sync}"))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     workers = RayRolloutWorkers(
         WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1,
         weight_sync=sync,
@@ -539,7 +539,7 @@ def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weig
 
     monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", 1)  # each tensor a collective
     c = resolved(config(2, BROADCAST, "cluster.learner_ranks=1"))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     driver_model = copy.deepcopy(model)
     group, learner, workers = ranks_and_workers(c, family, tiny_model_dir, driver_model, tokenizer)
     try:
@@ -582,7 +582,7 @@ def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_ke
     from turnrl.models import load_model
 
     c = resolved(config(2, BROADCAST, "cluster.learner_ranks=1", "algorithm.max_staleness=1"))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     source: Any = tiny_model_dir
     driver_model = copy.deepcopy(model)
     if lora:
@@ -628,7 +628,7 @@ def test_workers_that_cannot_reach_the_driver_s_store_stop_the_sync_saying_so(
     as a firewalled driver node): the first sync stops within the join deadline, naming
     the address and what to do, and restarts no worker (they are not the problem)."""
     c = resolved(config(2, BROADCAST))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     workers = RayRolloutWorkers(
         WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1,
         weight_sync="broadcast", join_timeout_s=3.0,
@@ -655,7 +655,7 @@ def test_a_worker_replaced_mid_batch_of_an_asynchronous_run_holds_the_synced_wei
     update) while the workers sample: a worker replaced then loads the weights of the last
     sync, which the driver keeps a copy of, not the model's newer ones."""
     c = resolved(config(2, BROADCAST, "algorithm.max_staleness=1"))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     workers = RayRolloutWorkers(
         WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1,
         weight_sync="broadcast",
@@ -762,7 +762,7 @@ def overlap_on_workers(out: Path, settings: list[str]) -> None:
 def task_stream(c: Config) -> Counter[tuple[int, str, int]]:
     """Each (step, task, sample) of ``c``'s run once: the task stream's prompts of each
     step, ``rollout.group_size`` samples each."""
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     per_step, group = c.rollout.prompts_per_step, c.rollout.group_size
     return Counter(
         (s, family.task((s - 1) * per_step + j).id, i)
@@ -825,7 +825,7 @@ def test_workers_take_offered_weights_and_a_replacement_starts_from_them(
     first turn, by every worker; a worker that dies after an offer is replaced from the
     offered weights, and the next offers go to its replacement."""
     c = resolved(config(2, "algorithm.max_staleness=1", "algorithm.partial_rollouts=true"))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     workers = RayRolloutWorkers(
         WorkersSpec(c, family, model, tokenizer, 0, tiny_model_dir), 2, threads=1
     )
@@ -971,7 +971,7 @@ def test_a_worker_on_the_gpu_samples_there_as_the_policy_does_in_process(
     """A policy on the GPU: the worker's engine runs on the GPU Ray gave it, and samples
     the same turns as an engine on the GPU in this process, before and after a sync."""
     c = resolved(config(1, "model.device=cuda"))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     policy = copy.deepcopy(model).to("cuda")
     sampling, limits = episode_settings(c, tokenizer)
     tasks = [family.task(i) for i in range(4)]
@@ -1013,7 +1013,7 @@ def test_the_broadcast_reaches_a_worker_on_another_gpu_over_nccl(
     driver_gpu = torch.cuda.device_count() - 1
     torch.cuda.set_device(driver_gpu)
     c = resolved(config(1, "model.device=cuda", BROADCAST))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     policy = copy.deepcopy(model).to("cuda")
     workers = RayRolloutWorkers(
         WorkersSpec(c, family, policy, tokenizer, 0, tiny_model_dir), 1, threads=1,

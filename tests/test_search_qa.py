@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.envs import check_env, make_env_spec
+from turnrl.envs import check_env, make_env_family
 from turnrl.envs.policy import play, replay
 from turnrl.envs.search_qa import SearchQA
 from turnrl.errors import ConfigError
@@ -23,7 +23,7 @@ from turnrl.rewards import normalize_qa, qa_f1, qa_verdict
     [{}, {"min_hops": 1, "max_hops": 1}, {"min_hops": 3, "max_hops": 3, "format": "hermes"}],
 )
 def test_the_contract_check_passes(options: dict[str, object]) -> None:
-    report = check_env(make_env_spec("search_qa", **options), num_tasks=30)
+    report = check_env(make_env_family("search_qa", **options), num_tasks=30)
     assert report.ok, report.table()
     assert report.oracle_success == 1.0
     assert report.random_success <= 0.05

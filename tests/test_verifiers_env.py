@@ -23,8 +23,8 @@ datasets = pytest.importorskip("datasets", reason="verifiers' datasets is not in
 
 from turnrl.backends.scripted import ScriptedBackend  # noqa: E402
 from turnrl.envs.policy import Episode, play, replay  # noqa: E402
-from turnrl.envs.registry import make_env_spec  # noqa: E402
-from turnrl.envs.verifiers_env import VerifiersEnvSpec, from_verifiers  # noqa: E402
+from turnrl.envs.registry import make_env_family  # noqa: E402
+from turnrl.envs.verifiers_env import VerifiersFamily, from_verifiers  # noqa: E402
 from turnrl.errors import ConfigError  # noqa: E402
 from turnrl.formats import get_format  # noqa: E402
 from turnrl.models.loading import stop_token_ids  # noqa: E402
@@ -139,7 +139,7 @@ def call(name: str, **arguments: Any) -> str:
     return HERMES.render_call(ToolCall(name, arguments))
 
 
-def run(tokenizer: Any, spec: VerifiersEnvSpec, texts: list[str], index: int = 0) -> Trajectory:
+def run(tokenizer: Any, spec: VerifiersFamily, texts: list[str], index: int = 0) -> Trajectory:
     """One episode of task ``index`` through turnrl's rollout, the model scripted."""
     stops = stop_token_ids(tokenizer)
     backend = ScriptedBackend(tokenizer, texts, end_token_id=stops[0])
@@ -153,7 +153,7 @@ def run(tokenizer: Any, spec: VerifiersEnvSpec, texts: list[str], index: int = 0
     )  # fmt: skip
 
 
-def text_episode(spec: VerifiersEnvSpec, texts: list[str], index: int = 0) -> Episode:
+def text_episode(spec: VerifiersFamily, texts: list[str], index: int = 0) -> Episode:
     return asyncio.run(play(spec.make_env(), spec.task(index), replay(texts), seed=0, max_steps=8))
 
 
@@ -456,10 +456,10 @@ def test_an_installed_env_loads_by_id_also_from_a_config(
     spec = from_verifiers("tiny-vf-env", env_args={"answer": "6"})
     assert spec.name == "tiny-vf-env"
     assert run(tokenizer, spec, ["6"]).reward == 1.0
-    configured: Any = make_env_spec(
+    configured: Any = make_env_family(
         "turnrl.envs.verifiers_env:from_verifiers", vf_env="tiny-vf-env", format="hermes"
     )
-    assert isinstance(configured, VerifiersEnvSpec)
+    assert isinstance(configured, VerifiersFamily)
     assert run(tokenizer, configured, ["5"]).success
 
 

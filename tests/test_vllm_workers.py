@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed")
 from test_rollout_workers import deterministic, rows  # noqa: E402
 from turnrl.api import train  # noqa: E402
 from turnrl.distributed.rollout_workers import RolloutWorker  # noqa: E402
-from turnrl.envs import make_env_spec  # noqa: E402
+from turnrl.envs import make_env_family  # noqa: E402
 from turnrl.errors import ConfigError  # noqa: E402
 from turnrl.trainer import startup  # noqa: E402
 from turnrl.trainer.config import Config, load_config, resolved  # noqa: E402
@@ -132,6 +132,6 @@ def test_overlapping_batches_run_together_on_a_vllm_worker(tmp_path: Path) -> No
 def test_a_worker_without_the_model_directory_is_refused(tmp_path: Path, tokenizer: Any) -> None:
     """A vLLM worker on a node that does not mount the run directory says so."""
     c = resolved(config(1))
-    family = make_env_spec(c.env.name, **c.env.options)
+    family = make_env_family(c.env.name, **c.env.options)
     with pytest.raises(ConfigError, match="not there: put the run directory"):
         RolloutWorker(c, family, {}, tokenizer, 0, 1, str(tmp_path / "elsewhere"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from turnrl.envs import Environment, TextEnv, ToolEnv, check_env, make_env_spec
+from turnrl.envs import Environment, TextEnv, ToolEnv, check_env, make_env_family
 from turnrl.envs.agent import AgentEnvironment
 from turnrl.envs.agent_processes import AgentProcesses
 from turnrl.errors import ConfigError, EpisodeFailures, TurnrlError
@@ -50,7 +50,7 @@ __all__ = [
     "evaluate",
     "get_format",
     "load_config",
-    "make_env_spec",
+    "make_env_family",
     "tool",
     "train",
 ]

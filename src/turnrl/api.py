@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from turnrl.envs import make_env_spec
+from turnrl.envs import make_env_family
 from turnrl.envs.agent import Agent, AgentEnvironment, ModelErrors, Reward
 from turnrl.envs.custom import as_environment
 from turnrl.errors import ConfigError
@@ -86,7 +86,7 @@ def train(
         )
     if isinstance(env, str):
         run_config = dataclasses.replace(run_config, env=EnvConfig(name=env))
-        spec = make_env_spec(env)
+        spec = make_env_family(env)
     elif env is not None:
         if callable(env) and not hasattr(env, "make_env"):
             env = env()  # a factory of the family
@@ -100,7 +100,7 @@ def train(
             run_config, env=EnvConfig(name=str(getattr(spec, "name", "custom")))
         )
     else:  # the recipe's
-        spec = make_env_spec(run_config.env.name, **run_config.env.options)
+        spec = make_env_family(run_config.env.name, **run_config.env.options)
     spec = as_environment(spec, format=_family_format(run_config))  # for episodes naming none
     run_dir = Path(out) if out is not None else Path("runs") / run_config.name
     c = run_config.cluster

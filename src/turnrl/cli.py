@@ -234,7 +234,7 @@ def _report_every(run_dir: Path, seconds: float) -> Any:
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    from turnrl.envs import make_env_spec
+    from turnrl.envs import make_env_family
     from turnrl.models import TinyModelConfig, build_tiny_model
 
     config = TinyModelConfig(
@@ -242,7 +242,7 @@ def _init_model(args: argparse.Namespace) -> int:
         num_heads=args.num_heads, vocab_size=args.vocab_size, seed=args.seed,
         echo_steps=args.echo_steps,
     )  # fmt: skip
-    corpus = make_env_spec(args.env).corpus() if args.env else []
+    corpus = make_env_family(args.env).corpus() if args.env else []
     path = build_tiny_model(args.out, config, extra_corpus=corpus, overwrite=args.overwrite)
     print(f"turnrl: tiny model written to {path}")
     return 0
@@ -289,10 +289,10 @@ def _envs(args: argparse.Namespace) -> int:
 
 
 def _envs_check(args: argparse.Namespace) -> int:
-    from turnrl.envs import check_env, make_env_spec
+    from turnrl.envs import check_env, make_env_family
     from turnrl.envs.policy import HasCard
 
-    spec = make_env_spec(args.name, **_env_options(args.options))
+    spec = make_env_family(args.name, **_env_options(args.options))
     if isinstance(spec, HasCard):
         print("\n".join(spec.card.lines()), end="\n\n")
     report = check_env(spec, num_tasks=args.tasks, seed=args.seed)

@@ -50,7 +50,7 @@ from turnrl.distributed import ray_cluster
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
 from turnrl.distributed.ranks_to_workers import FromRanks
 from turnrl.distributed.rollout_workers import RayRolloutWorkers
-from turnrl.envs import EnvSpec
+from turnrl.envs import EnvFamily
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
 from turnrl.models.lora import add_lora, is_lora
@@ -73,7 +73,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
-    env: EnvSpec | None = None,
+    env: EnvFamily | None = None,
 ) -> RunResult:
     """``trainer.loop.train`` with the learner on ``cluster.learner_ranks`` ranks (if >= 1)
     and the episodes on ``cluster.rollout_workers`` Ray actors (if >= 1). A rank that fails

@@ -85,7 +85,7 @@ from turnrl.distributed.weight_broadcast import (
     backend_for,
     layout_of,
 )
-from turnrl.envs import EnvSpec
+from turnrl.envs import EnvFamily
 from turnrl.errors import ConfigError, TurnrlError
 from turnrl.models import load_model
 from turnrl.models.lora import is_lora
@@ -132,7 +132,7 @@ class RolloutWorker:
     def __init__(
         self,
         config: Config,
-        env: EnvSpec,
+        env: EnvFamily,
         policy: Any,
         tokenizer: Any,
         version: int,

@@ -4,7 +4,7 @@ from turnrl.envs.check import EnvReport, check_env
 from turnrl.envs.custom import Environment
 from turnrl.envs.env_card import EnvCard
 from turnrl.envs.games import Bandit, FrozenLake, GameEnv, Sokoban
-from turnrl.envs.registry import ENVIRONMENTS, EnvSpec, make_env_spec
+from turnrl.envs.registry import ENVIRONMENTS, EnvFamily, make_env_family
 from turnrl.envs.secret_lookup import SecretLookup
 from turnrl.envs.text_env import TextEnv
 from turnrl.envs.tool_env import ToolEnv, Verifier
@@ -13,8 +13,8 @@ __all__ = [
     "ENVIRONMENTS",
     "Bandit",
     "EnvCard",
+    "EnvFamily",
     "EnvReport",
-    "EnvSpec",
     "Environment",
     "FrozenLake",
     "GameEnv",
@@ -24,5 +24,5 @@ __all__ = [
     "ToolEnv",
     "Verifier",
     "check_env",
-    "make_env_spec",
+    "make_env_family",
 ]

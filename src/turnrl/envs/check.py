@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.envs.policy import Episode, HasCard, HasOracle, Policy, play, replay
-from turnrl.envs.registry import EnvSpec
+from turnrl.envs.registry import EnvFamily
 from turnrl.envs.reward_hack_probes import (
     PROBES,
     Clues,
@@ -161,14 +161,14 @@ def _policy_line(report: EnvReport) -> str:
     )
 
 
-def check_env(spec: EnvSpec, *, num_tasks: int = 20, seed: int = 0) -> EnvReport:
+def check_env(spec: EnvFamily, *, num_tasks: int = 20, seed: int = 0) -> EnvReport:
     """Check ``spec`` on ``num_tasks`` test tasks; ``seed`` seeds the episodes."""
     if num_tasks < 1:
         raise ValueError("num_tasks must be >= 1")
     return asyncio.run(_check(spec, num_tasks, seed))
 
 
-async def _check(spec: EnvSpec, num_tasks: int, seed: int) -> EnvReport:
+async def _check(spec: EnvFamily, num_tasks: int, seed: int) -> EnvReport:
     found: dict[str, list[str]] = {name: [] for name in CHECKS}
     skipped: list[str] = []
     turn_limit = spec.card.turn_limit if isinstance(spec, HasCard) else None
@@ -293,7 +293,7 @@ def _probe_maker(probe: Probe, task: Task, clues: Clues) -> PolicyMaker:
 
 
 def _probe_results(
-    spec: EnvSpec, episodes: dict[str, list[Episode]]
+    spec: EnvFamily, episodes: dict[str, list[Episode]]
 ) -> tuple[tuple[ProbeResult, ...], list[str]]:
     """Each probe's result over the tasks it was played on, and the ``probes`` problems:
     a success the env does not expect, an unknown name in ``expected_probes``."""
@@ -356,7 +356,7 @@ def _required_oracle_success(expected: float, n: int) -> float:
     return min(0.99, expected - 3.0 * math.sqrt(expected * (1.0 - expected) / n))
 
 
-async def _policies(spec: EnvSpec, task: Task, *, seed: str) -> dict[str, PolicyMaker]:
+async def _policies(spec: EnvFamily, task: Task, *, seed: str) -> dict[str, PolicyMaker]:
     """The policies to play on ``task``, each made fresh per episode from its env."""
     makers: dict[str, PolicyMaker] = {"stall": _stall_policy}
     if callable(getattr(spec, "demonstration", None)):
@@ -388,7 +388,7 @@ def _stall_policy(env: Env) -> Policy | None:
     return replay([], then=text)
 
 
-def _task_problems(spec: EnvSpec, num_tasks: int) -> list[str]:
+def _task_problems(spec: EnvFamily, num_tasks: int) -> list[str]:
     problems: list[str] = []
     twin = dataclasses.replace(spec) if dataclasses.is_dataclass(spec) else spec  # type: ignore[type-var]
     ids: set[str] = set()

@@ -21,7 +21,7 @@ from turnrl.protocols import Env
 from turnrl.types import Task
 
 
-class EnvSpec(Protocol):
+class EnvFamily(Protocol):
     """A named environment family: tasks by index, fresh env per episode, a format teacher.
 
     A family may also offer ``oracle(task)`` (a scripted policy that solves its tasks, see
@@ -54,13 +54,13 @@ ENVIRONMENTS: dict[str, type[Any]] = {
 }
 
 
-def make_env_spec(name: str, **options: Any) -> EnvSpec:
+def make_env_family(name: str, **options: Any) -> EnvFamily:
     """Build an environment family with ``options``: a registered name (its dataclass
     fields are the options), or ``"package.module:factory"``, a class or function of yours
     called with the options (it must return an object with ``task`` and ``make_env``;
     ``demonstration`` and ``corpus`` are derived where it has none, see ``envs.custom``)."""
     if ":" in name:
-        return _import_env_spec(name, options)
+        return _import_env_family(name, options)
     if name not in ENVIRONMENTS:
         raise ConfigError(
             f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}, or "
@@ -68,7 +68,7 @@ def make_env_spec(name: str, **options: Any) -> EnvSpec:
         )
     cls = ENVIRONMENTS[name]
     _check_options(cls, name, options)
-    spec: EnvSpec = cls(**options)
+    spec: EnvFamily = cls(**options)
     return spec
 
 
@@ -81,7 +81,7 @@ def _check_options(cls: type[Any], name: str, options: dict[str, Any]) -> None:
         )
 
 
-def _import_env_spec(target: str, options: dict[str, Any]) -> EnvSpec:
+def _import_env_family(target: str, options: dict[str, Any]) -> EnvFamily:
     """``"package.module:factory"`` imported and called with ``options``."""
     module_name, _, attribute = target.partition(":")
     try:
@@ -105,6 +105,6 @@ def _import_env_spec(target: str, options: dict[str, Any]) -> EnvSpec:
     if missing:
         raise ConfigError(
             f"environment {target!r} returned {type(spec).__name__}, which has no "
-            f"{' or '.join(missing)} method (see turnrl.envs.registry.EnvSpec)"
+            f"{' or '.join(missing)} method (see turnrl.envs.registry.EnvFamily)"
         )
-    return cast(EnvSpec, as_environment(spec))
+    return cast(EnvFamily, as_environment(spec))

@@ -1,6 +1,6 @@
 """``from_verifiers``: an environment of the ``verifiers`` library (Prime Intellect's; its
 classic API: a dataset, a parser, a rubric of weighted reward functions, ``SingleTurnEnv``
-/ ``MultiTurnEnv`` / ``ToolEnv``) as a turnrl environment family (``EnvSpec``).
+/ ``MultiTurnEnv`` / ``ToolEnv``) as a turnrl environment family (``EnvFamily``).
 
 How each part maps (docs/verifiers.md has the user's view):
 
@@ -78,7 +78,7 @@ def from_verifiers(
     format: str | Format = "hermes",
     name: str | None = None,
     env_args: Mapping[str, Any] | None = None,
-) -> VerifiersEnvSpec:
+) -> VerifiersFamily:
     """A turnrl environment family running ``vf_env``, a ``verifiers.Environment`` or the id
     of an installed verifiers environment (loaded by ``verifiers.load_environment`` with
     ``env_args``). ``format`` parses tool calls out of the model's text and renders the
@@ -103,11 +103,11 @@ def from_verifiers(
         )
     _observe_tool_calls(vf_env)
     fmt = get_format(format) if isinstance(format, str) else format
-    return VerifiersEnvSpec(vf_env, fmt, name or vf_env.env_id or type(vf_env).__name__)
+    return VerifiersFamily(vf_env, fmt, name or vf_env.env_id or type(vf_env).__name__)
 
 
-class VerifiersEnvSpec:
-    """A verifiers environment as a turnrl ``EnvSpec``; made by ``from_verifiers``."""
+class VerifiersFamily:
+    """A verifiers environment as a turnrl ``EnvFamily``; made by ``from_verifiers``."""
 
     def __init__(self, vf_env: Any, format: Format, name: str) -> None:
         self.vf_env = vf_env
@@ -195,7 +195,7 @@ class VerifiersEnvSpec:
 
 class VerifiersEnv:
     """One episode of a verifiers environment, driven by turnrl's rollout (see the module
-    docstring). Made by ``VerifiersEnvSpec.make_env``."""
+    docstring). Made by ``VerifiersFamily.make_env``."""
 
     def __init__(self, vf_env: Any, format: Format) -> None:
         self.vf_env = vf_env

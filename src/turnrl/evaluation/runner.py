@@ -40,7 +40,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from turnrl.envs import make_env_spec
+from turnrl.envs import make_env_family
 from turnrl.envs.policy import HasCard
 from turnrl.envs.reward_hack_probes import env_format
 from turnrl.errors import ConfigError
@@ -96,7 +96,7 @@ def evaluate(
     """Run (or resume) the evaluation into ``out_dir``; return the summary."""
     if (model_path is None) == (endpoint is None):
         raise ConfigError("eval: give exactly one of a model path or an endpoint")
-    spec = make_env_spec(config.env, **config.env_options)
+    spec = make_env_family(config.env, **config.env_options)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _check_same_config(out, config, model_path, endpoint)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from turnrl.envs import EnvSpec, make_env_spec
+from turnrl.envs import EnvFamily, make_env_family
 from turnrl.errors import ConfigError
 from turnrl.rollout.episode import derive_seed
 from turnrl.rollout.failures import check_failures
@@ -64,7 +64,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_row: Callable[[Row], None] | None = None,
-    env: EnvSpec | None = None,
+    env: EnvFamily | None = None,
     make_learner: MakeLearner | None = None,
     make_workers: MakeWorkers | None = None,
 ) -> RunResult:
@@ -98,7 +98,7 @@ def train(
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     for message in inert_settings(config):
         say(f"warning: {message}", progress)
-    spec = env if env is not None else make_env_spec(config.env.name, **config.env.options)
+    spec = env if env is not None else make_env_family(config.env.name, **config.env.options)
     checkpoint = None
     if resume:  # the newest whole checkpoint; what was written after it is written again
         checkpoint = latest_checkpoint(run_dir, warn=lambda m: say(f"warning: {m}", progress))
@@ -124,7 +124,7 @@ def train(
 def _run(
     config: Config,
     run_dir: Path,
-    spec: EnvSpec,
+    spec: EnvFamily,
     checkpoint: Path | None,
     progress: bool,
     on_row: Callable[[Row], None] | None,
@@ -215,7 +215,7 @@ def evaluate(parts: RunParts) -> Row:
     """Held-out success: one sample (at the rollout temperature) of each of the first
     ``eval.num_tasks`` test tasks."""
     c = parts.config
-    tasks = [parts.spec.task(i, split="test") for i in range(c.eval.num_tasks)]
+    tasks = [parts.family.task(i, split="test") for i in range(c.eval.num_tasks)]
     eval_spec = GroupSpec(1, parts.limits, parts.sampling, seed=derive_seed(c.seed, "eval"))
     groups = run_groups(parts, tasks, eval_spec)  # on the rollout workers, if the run has any
     check_failures([x for g in groups for x in g], c.rollout.max_error_frac, where="evaluation")

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from turnrl.backends.torch_backend import TorchBackend
-from turnrl.envs import EnvSpec
+from turnrl.envs import EnvFamily
 from turnrl.errors import BackendError, ConfigError, TemplateError
 from turnrl.models import (
     TinyModelConfig,
@@ -96,7 +96,7 @@ class WorkersSpec:
 
     config: Config
     """The run's configuration, resolved."""
-    env: EnvSpec
+    env: EnvFamily
     """The environment family the workers run episodes of."""
     model: Any
     """The policy in this process, whose weights the workers start with."""
@@ -144,7 +144,7 @@ class Started:
 
 def start(
     config: Config,
-    spec: EnvSpec,
+    spec: EnvFamily,
     run_dir: Path,
     checkpoint: Path | None,
     progress: bool,
@@ -172,7 +172,7 @@ def start(
 
 def _build(
     config: Config,
-    spec: EnvSpec,
+    spec: EnvFamily,
     run_dir: Path,
     checkpoint: Path | None,
     progress: bool,
@@ -373,7 +373,7 @@ def check_template(parts: RunParts, progress: bool = False) -> Row:
     that do not decode to the rendered text, stop the run; a template that rewrites
     history only warns (each tool episode is then split into per-turn samples, counted as
     ``rollout/template_breaks``)."""
-    env = parts.spec.make_env()
+    env = parts.family.make_env()
     call_format = env_format(env)
     if call_format is None:  # an environment without a tool-call format: nothing to probe
         return {}
@@ -415,7 +415,7 @@ def _tool_schemas(parts: RunParts, env: Env) -> list[Any] | None:
     async def tools_of() -> list[Any] | None:
         try:
             await env.reset(
-                parts.spec.task(0, split="test"), derive_seed(parts.config.seed, "template")
+                parts.family.task(0, split="test"), derive_seed(parts.config.seed, "template")
             )
             tools = env_tools(env)
             return None if tools is None else list(tools.schemas())
@@ -435,7 +435,7 @@ def check_sampler(parts: RunParts) -> Row:
     importance weights would otherwise correct (or hide) an engine that samples from
     other numbers than the learner trains (another dtype or kernel, unsynced weights)."""
     c = parts.config
-    tasks = [parts.spec.task(i, split="test") for i in range(4)]
+    tasks = [parts.family.task(i, split="test") for i in range(4)]
     probe = GroupSpec(2, parts.limits, parts.sampling, seed=derive_seed(c.seed, "startup"))
     groups = run_groups(parts, tasks, probe)
     samples = [s for g in groups for x in trainable(g) for s in x.samples()]
@@ -518,7 +518,7 @@ def _check_engine(config: Config) -> None:
         require_vllm()
 
 
-def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) -> Path:
+def _base_model(config: Config, spec: EnvFamily, run_dir: Path, progress: bool) -> Path:
     if config.model.path:  # a GGUF file or a named model: its imported checkpoint
         return Path(resolve_model(config.model.path, say=lambda m: say(m, progress)))
     tiny = tiny_model_config(config)
@@ -530,7 +530,7 @@ def _base_model(config: Config, spec: EnvSpec, run_dir: Path, progress: bool) ->
 
 def _warmup(
     config: Config,
-    spec: EnvSpec,
+    spec: EnvFamily,
     model: Any,
     tokenizer: Any,
     renderer: ChatRenderer,

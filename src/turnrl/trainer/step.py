@@ -29,7 +29,7 @@ from turnrl.algorithms import (
     overlong_penalty,
     top_variance_groups,
 )
-from turnrl.envs import EnvSpec
+from turnrl.envs import EnvFamily
 from turnrl.protocols import Backend
 from turnrl.rollout.batch import trainable
 from turnrl.rollout.chat import ChatRenderer
@@ -57,7 +57,7 @@ class RunParts:
     nothing itself: the step's phases below take it, and the loop (loop.py) runs them."""
 
     config: Config
-    spec: EnvSpec
+    family: EnvFamily
     backend: Backend
     learner: Learner
     renderer: ChatRenderer
@@ -74,7 +74,7 @@ class RunParts:
     def build(
         cls,
         config: Config,
-        spec: EnvSpec,
+        family: EnvFamily,
         backend: Backend,
         learner: Learner,
         renderer: ChatRenderer,
@@ -83,7 +83,7 @@ class RunParts:
     ) -> RunParts:
         estimator = ESTIMATORS[config.algorithm.advantage]
         update = learner.step_samples_gae if estimator.critic else learner.step_samples
-        return cls(config, spec, backend, learner, renderer, limits, sampling, estimator, update)
+        return cls(config, family, backend, learner, renderer, limits, sampling, estimator, update)
 
     def with_config(self, config: Config) -> RunParts:
         return dataclasses.replace(self, config=config)
@@ -99,7 +99,7 @@ async def groups_of(parts: RunParts, tasks: Sequence[Task], spec: GroupSpec) -> 
     the trainer's engine (within its ``run``)."""
     if parts.workers is not None:
         return await parts.workers.collect(tasks, spec)
-    return await collect_groups(tasks, parts.spec.make_env, parts.backend, parts.renderer, spec)
+    return await collect_groups(tasks, parts.family.make_env, parts.backend, parts.renderer, spec)
 
 
 def run_program(parts: RunParts, program: Coroutine[Any, Any, T]) -> T:
@@ -224,7 +224,7 @@ async def collect(parts: RunParts, step: int) -> tuple[Groups, Groups, Row]:
         base = step * r.prompts_per_step if rounds == 0 else EXTRA_TASKS + (
             step * algo.filter.max_rounds + rounds
         ) * r.prompts_per_step  # fmt: skip
-        tasks = [parts.spec.task(base + j) for j in range(r.prompts_per_step)]
+        tasks = [parts.family.task(base + j) for j in range(r.prompts_per_step)]
         seed = derive_seed(parts.config.seed, step, *([rounds] if rounds else []))
         group_spec = GroupSpec(
             r.group_size,

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from turnrl.backends.scripted import ScriptedBackend
-from turnrl.envs import EnvSpec
+from turnrl.envs import EnvFamily
 from turnrl.rollout.batch import pack, trainable
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, run_episode
@@ -28,7 +28,7 @@ from turnrl.types import Completion, GenerationRequest, Sample, Trajectory
 
 
 def demonstration_trajectories(
-    spec: EnvSpec,
+    spec: EnvFamily,
     tokenizer: Any,
     renderer: ChatRenderer,
     *,
