@@ -6,7 +6,7 @@ demonstrations on a fresh run (``_warmup``) and saved as the start policy; LoRA 
 the learner (``make_learner``'s, or in this process) and the sampling engine; on a resume,
 the optimizer, policy version and critic; the chat template probed in the environment's
 call format (``check_template``); the rollout workers, if any; and the sampler's log-probs
-against the learner's (``check_sampler``). What it returns (``Started``) is all the loop
+against the learner's (``check_sampler``). What it returns (``StartedRun``) is all the loop
 (loop.py) uses.
 """
 
@@ -131,7 +131,7 @@ def in_process_learner(spec: LearnerSpec) -> Learner:
 
 
 @dataclass
-class Started:
+class StartedRun:
     """What start-up built, for the loop."""
 
     parts: RunParts
@@ -150,7 +150,7 @@ def start(
     progress: bool,
     make_learner: MakeLearner | None = None,
     make_workers: MakeWorkers | None = None,
-) -> Started:
+) -> StartedRun:
     """Build the run's parts (``_build``); on a resume, restore the checkpoint's state
     (``load_state``); check the chat template, then start the rollout workers (if
     ``make_workers``) with the weights step 1 samples with, then check the sampler on the
@@ -167,7 +167,7 @@ def start(
         )
         parts = dataclasses.replace(parts, workers=make_workers(made))
     first.update(check_sampler(parts))  # on the engines that sample: the workers', if any
-    return Started(parts, tokenizer, first, step)
+    return StartedRun(parts, tokenizer, first, step)
 
 
 def _build(
