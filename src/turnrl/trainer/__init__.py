@@ -1,0 +1,51 @@
+"""The trainer's building blocks: the ``Learner`` (one optimizer step from a batch or from
+``Sample``s) with the settings it takes (``AlgorithmConfig``, ``MicroBatchConfig``), the
+syntax-only warm-up (``demonstration_trajectories``, ``warmup_samples``,
+``supervised_warmup``, with ``WarmupConfig``), and ``tiny_model_config``, the tiny model a
+run's config builds. For writing your own loop or benchmark; ``turnrl.train`` runs the
+whole loop. Each name is imported when first used (torch)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from turnrl.trainer.config import AlgorithmConfig, MicroBatchConfig, WarmupConfig
+    from turnrl.trainer.learner import Learner
+    from turnrl.trainer.startup import tiny_model_config
+    from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
+    from turnrl.types import Sample
+
+__all__ = [
+    "AlgorithmConfig",
+    "Learner",
+    "MicroBatchConfig",
+    "Sample",
+    "WarmupConfig",
+    "demonstration_trajectories",
+    "supervised_warmup",
+    "tiny_model_config",
+    "warmup_samples",
+]
+
+_LAZY = {  # name -> module: imported when first asked for
+    "AlgorithmConfig": "turnrl.trainer.config",
+    "MicroBatchConfig": "turnrl.trainer.config",
+    "WarmupConfig": "turnrl.trainer.config",
+    "Learner": "turnrl.trainer.learner",
+    "tiny_model_config": "turnrl.trainer.startup",
+    "demonstration_trajectories": "turnrl.trainer.warmup",
+    "supervised_warmup": "turnrl.trainer.warmup",
+    "warmup_samples": "turnrl.trainer.warmup",
+    "Sample": "turnrl.types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
