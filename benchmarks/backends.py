@@ -95,8 +95,13 @@ import torch
 
 from outputs import parse_args
 from turnrl import Trajectory
-from turnrl.backends.torch_backend import TorchBackend
-from turnrl.backends.vllm_backend import VLLMBackend, import_vllm
+from turnrl.backends import (
+    Completion,
+    GenerationRequest,
+    TorchBackend,
+    VLLMBackend,
+    import_vllm,
+)
 from turnrl.envs import SecretLookup
 from turnrl.models import (
     TinyModelConfig,
@@ -105,16 +110,13 @@ from turnrl.models import (
     load_tokenizer,
     stop_token_ids,
 )
-from turnrl.rollout.chat import ChatRenderer
-from turnrl.rollout.episode import EpisodeLimits, SamplingParams
-from turnrl.rollout.groups import GroupSpec, collect_groups
-from turnrl.trainer.config import WarmupConfig
-from turnrl.trainer.warmup import (
+from turnrl.rollout import ChatRenderer, EpisodeLimits, GroupSpec, SamplingParams, collect_groups
+from turnrl.trainer import (
+    WarmupConfig,
     demonstration_trajectories,
     supervised_warmup,
     warmup_samples,
 )
-from turnrl.types import Completion, GenerationRequest
 
 SECTIONS = ("tiny", "sync", "gpu")
 """The parts of the benchmark, in the order they run (``--sections``)."""

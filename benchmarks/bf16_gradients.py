@@ -34,8 +34,8 @@ import torch
 from outputs import parse_args
 from training_runs import TINY_RUN, write_results
 from turnrl import load_config
-from turnrl.rollout.batch import Batch
-from turnrl.trainer.learner import Learner
+from turnrl.rollout import Batch
+from turnrl.trainer import Learner
 from turnrl.trainer.loop import train
 from turnrl.trainer.startup import LearnerSpec, in_process_learner
 

@@ -39,7 +39,7 @@ from turnrl import load_config, make_env_family
 from turnrl.envs.search_qa import build_world
 from turnrl.models import build_tiny_model
 from turnrl.models.pretrain import made_up_word
-from turnrl.trainer.startup import tiny_model_config
+from turnrl.trainer import tiny_model_config
 
 ROOT = Path(__file__).resolve().parent
 CONFIGS = [(2500, 0.0), (2500, 0.5), (6000, 0.5), (6000, 0.8)]  # (echo_steps, echo_novel)

@@ -28,7 +28,7 @@ from typing import Any
 
 from outputs import parse_args
 from turnrl import make_env_family
-from turnrl.envs.policy import Episode, HasOracle, play, replay
+from turnrl.envs import Episode, HasOracle, play, replay
 
 ROOT = Path(__file__).resolve().parent
 CONFIGS: list[tuple[str, dict[str, Any]]] = [

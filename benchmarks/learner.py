@@ -35,10 +35,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from outputs import parse_args
-from turnrl.trainer import forward
-from turnrl.trainer.config import AlgorithmConfig, MicroBatchConfig
-from turnrl.trainer.learner import Learner
-from turnrl.types import Sample
+from turnrl.trainer import AlgorithmConfig, Learner, MicroBatchConfig, Sample, forward
 
 ROOT = Path(__file__).resolve().parent
 VOCAB = 1024

@@ -36,12 +36,16 @@ import torch
 
 from outputs import parse_args
 from turnrl import Message, StepResult, Task
-from turnrl.backends.torch_backend import TorchBackend
+from turnrl.backends import TorchBackend
 from turnrl.models import load_model, load_tokenizer, stop_token_ids
-from turnrl.rollout.chat import ChatRenderer
-from turnrl.rollout.episode import EpisodeLimits, SamplingParams
-from turnrl.rollout.groups import GroupSpec, collect_groups
-from turnrl.types import ToolCallRecord
+from turnrl.rollout import (
+    ChatRenderer,
+    EpisodeLimits,
+    GroupSpec,
+    SamplingParams,
+    ToolCallRecord,
+    collect_groups,
+)
 
 ROOT = Path(__file__).resolve().parent
 

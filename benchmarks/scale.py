@@ -95,9 +95,7 @@ from turnrl.distributed import LearnerGroup
 from turnrl.envs import SecretLookup
 from turnrl.models import load_model
 from turnrl.tools import ToolSet
-from turnrl.trainer.config import AlgorithmConfig, MicroBatchConfig
-from turnrl.trainer.learner import Learner
-from turnrl.types import Sample
+from turnrl.trainer import AlgorithmConfig, Learner, MicroBatchConfig, Sample
 
 VOCAB = 1024
 MODELS = [("tiny (64 x 2)", 64, 2, 512), ("larger (192 x 5)", 192, 5, 768)]

@@ -29,6 +29,7 @@ virtualenv is made in benchmarks/.venv-trl all the same, the TRL side being what
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import resource
@@ -213,10 +214,10 @@ def floor_time(model_dir: Path, batch: int, shape: dict[str, Any], threads: int)
     final sequences (a plain LM loss over all positions). Median of 3."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from turnrl.backends.hf_cache import cache_kwargs  # past_key_values / cache (5.24)
-
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    parameters = inspect.signature(type(model).forward).parameters  # cache: transformers >= 5.24
+    cache_name = "cache" if "cache" in parameters else "past_key_values"
     vocab = model.config.vocab_size
     turns = [n for n in shape["turns"] if n > 0]
     total = shape["prompt"] + sum(turns) + shape["observation"] * (len(turns) - 1)
@@ -230,11 +231,11 @@ def floor_time(model_dir: Path, batch: int, shape: dict[str, Any], threads: int)
             for t, n in enumerate(turns):
                 if t > 0:
                     ids = torch.randint(0, vocab, (batch, shape["observation"]))
-                out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+                out = model(input_ids=ids, use_cache=True, **{cache_name: cache})
                 for _ in range(n):
                     probs = torch.softmax(out.logits[:, -1].float(), -1)
                     tok = torch.multinomial(probs, 1)
-                    out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
+                    out = model(input_ids=tok, use_cache=True, **{cache_name: cache})
         model.train()
         seqs = torch.randint(0, vocab, (batch, total))
         loss = model(input_ids=seqs, labels=seqs).loss

@@ -3,8 +3,8 @@ public names. Public means a name of ``turnrl.__all__`` (``from turnrl import X`
 ``turnrl.X``), or of the ``__all__`` of a subpackage the API reference documents (a
 ``::: turnrl.<package>`` block of docs/api.md, e.g. ``from turnrl.tools import Sandbox``).
 A module inside a package (``turnrl.trainer.loop``, ``turnrl.rollout.chat``), a package
-the reference leaves out (``turnrl.trainer``, ``turnrl.rollout``, ``turnrl.backends``) or
-a name starting with ``_`` is internal. Every benchmarks/*.py is parsed with ``ast`` (no
+the reference leaves out (``turnrl.serving``, ``turnrl.report``) or a name starting with
+``_`` is internal. Every benchmarks/*.py is parsed with ``ast`` (no
 import), and a failure names the file, the line and the import.
 
 ``INTERNAL`` lists the imports of internals that component benchmarks still make (they
@@ -22,76 +22,33 @@ BENCHMARKS = ROOT / "benchmarks"
 SRC = ROOT / "src" / "turnrl"
 
 INTERNAL: dict[str, set[str]] = {
-    "backends.py": {
-        "turnrl.backends.torch_backend.TorchBackend",
-        "turnrl.backends.vllm_backend.VLLMBackend",
-        "turnrl.backends.vllm_backend.import_vllm",
-        "turnrl.rollout.chat.ChatRenderer",
-        "turnrl.rollout.episode.EpisodeLimits",
-        "turnrl.rollout.episode.SamplingParams",
-        "turnrl.rollout.groups.GroupSpec",
-        "turnrl.rollout.groups.collect_groups",
-        "turnrl.trainer.config.WarmupConfig",
-        "turnrl.trainer.warmup.demonstration_trajectories",
-        "turnrl.trainer.warmup.supervised_warmup",
-        "turnrl.trainer.warmup.warmup_samples",
-        "turnrl.types.Completion",
-        "turnrl.types.GenerationRequest",
-    },
     "bf16_gradients.py": {
-        "turnrl.rollout.batch.Batch",
-        "turnrl.trainer.learner.Learner",
         "turnrl.trainer.loop.train",
         "turnrl.trainer.startup.LearnerSpec",
         "turnrl.trainer.startup.in_process_learner",
     },
-    "copying.py": {
-        "turnrl.envs.search_qa.build_world",
-        "turnrl.models.pretrain.made_up_word",
-        "turnrl.trainer.startup.tiny_model_config",
-    },
-    "envs.py": {
-        "turnrl.envs.policy.Episode",
-        "turnrl.envs.policy.HasOracle",
-        "turnrl.envs.policy.play",
-        "turnrl.envs.policy.replay",
-    },
-    "learner.py": {
-        "turnrl.trainer.forward",
-        "turnrl.trainer.config.AlgorithmConfig",
-        "turnrl.trainer.config.MicroBatchConfig",
-        "turnrl.trainer.learner.Learner",
-        "turnrl.types.Sample",
-    },
-    "rollout.py": {
-        "turnrl.backends.torch_backend.TorchBackend",
-        "turnrl.rollout.chat.ChatRenderer",
-        "turnrl.rollout.episode.EpisodeLimits",
-        "turnrl.rollout.episode.SamplingParams",
-        "turnrl.rollout.groups.GroupSpec",
-        "turnrl.rollout.groups.collect_groups",
-        "turnrl.types.ToolCallRecord",
-    },
+    "copying.py": {"turnrl.envs.search_qa.build_world", "turnrl.models.pretrain.made_up_word"},
+    "learner.py": {"turnrl.trainer.forward"},
     "scale.py": {
-        "turnrl.distributed.LearnerGroup",
         "turnrl.distributed.driver.GroupLearner",
         "turnrl.distributed.driver._with_adapters",
         "turnrl.distributed.rank.decoder_layers",
         "turnrl.distributed.ranks_to_workers.FromRanks",
         "turnrl.distributed.rollout_workers.RayRolloutWorkers",
         "turnrl.models.lora.add_lora",
-        "turnrl.trainer.config.AlgorithmConfig",
-        "turnrl.trainer.config.MicroBatchConfig",
         "turnrl.trainer.config.resolved",
-        "turnrl.trainer.learner.Learner",
         "turnrl.trainer.startup.WorkersSpec",
-        "turnrl.types.Sample",
     },
-    "vs_trl.py": {"turnrl.backends.hf_cache.cache_kwargs"},
 }
-"""Component benchmarks: each times one part inside the trainer (an engine, the learner's
-micro-batches, the episode runner, the ranks and workers, an environment's own policy),
-which no public name reaches. The training benchmarks import public names only."""
+"""Component benchmarks that reach inside the trainer, which no public name does:
+bf16_gradients swaps the learner's class inside a run (its private ``_gradient``), through the
+loop's ``make_learner`` hook; copying measures the tiny model on the word generators of its
+own echo tuning (``made_up_word``) and of search_qa's worlds (``build_world``); learner
+forces a layout through ``forward.MIN_SHARED_PREFIX`` (a tuning constant) and counts the
+cells ``forward.pack_rows`` packs; scale times the distributed driver's weight-sync paths
+(the rollout workers, the learner ranks' broadcast, LoRA adapters on the ranks), which a run
+chooses by its settings and no public name builds alone. The other benchmarks import
+public names only."""
 
 
 def exported(module: Path) -> set[str]:
