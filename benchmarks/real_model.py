@@ -67,11 +67,25 @@ def run_one(task: str, label: str, overrides: list[str], runs: Path, smoke: bool
     t0 = time.perf_counter()
     result = train(config, out=run_dir, progress=False)
     wall = time.perf_counter() - t0
-    curve = eval_curve(result.rows)
+    return summary(task, label, overrides, run_dir, result.rows, wall)
+
+
+def summary(
+    task: str,
+    label: str,
+    overrides: list[str],
+    run_dir: Path,
+    rows: list[dict[str, Any]],
+    wall_s: float | None,
+) -> dict[str, Any]:
+    """One run's curve and figures, from its metrics rows (``wall_s`` None: not timed, the
+    run read back from its directory)."""
+    config = json.loads((run_dir / "config.json").read_text())
+    curve = eval_curve(rows)
     start = curve[0][2]
     level = max(2 * start, TARGET_ABSOLUTE)
     met = first_reaching(curve, level)
-    first = result.rows[0]
+    last_step = max(int(r.get("step", 0)) for r in rows)
     return {
         "name": f"{task}/{label}",
         "task": task,
@@ -82,18 +96,30 @@ def run_one(task: str, label: str, overrides: list[str], runs: Path, smoke: bool
         "final_success": curve[-1][2],
         "best_success": max(v for _, _, v in curve),
         "steps": curve[-1][0],
+        "planned_steps": int(config["steps"]),
+        "complete": last_step >= int(config["steps"]),
         "target": level,
         "step_meeting_target": met[0] if met else None,
         "rl_minutes_to_target": round(met[1] / 60, 2) if met else None,
-        "warmup_s": round(float(first.get("warmup/s", 0.0)), 2),
+        "warmup_s": round(float(rows[0].get("warmup/s", 0.0)), 2),
         "rl_minutes": round(curve[-1][1] / 60, 2),
-        "wall_minutes": round(wall / 60, 2),
-        "step_seconds": _mean_step_seconds(result.rows),
-        "threads": config.threads or torch.get_num_threads(),
+        "wall_minutes": round(wall_s / 60, 2) if wall_s is not None else None,
+        "step_seconds": _mean_step_seconds(rows),
+        "threads": int(config["threads"]) or torch.get_num_threads(),
         "curve": curve,
         "episodes": _first_and_last(run_dir / "trajectories.jsonl"),
         "run_dir": str(run_dir),
     }
+
+
+def from_run_dir(task: str, label: str, overrides: list[str], runs: Path) -> dict[str, Any] | None:
+    """A run read back from its directory (``--from-runs``), or None if it never started."""
+    run_dir = runs / f"{task}-{label}"
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file() or not metrics.read_text().strip():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return summary(task, label, overrides, run_dir, rows, None)
 
 
 def _mean_step_seconds(rows: list[dict[str, Any]]) -> float:
@@ -135,7 +161,8 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     for r in results:
         met = r["step_meeting_target"]
         lines.append(
-            f"| {r['task']} | {r['label']} | {r['start_success']:.3f} | "
+            f"| {r['task']} | {r['label']}{'' if r['complete'] else ' (cut short)'} | "
+            f"{r['start_success']:.3f} | "
             f"{r['final_success']:.3f} | {r['best_success']:.3f} | {r['target']:.2f} | "
             f"{met if met is not None else 'not met'} | "
             f"{r['rl_minutes_to_target'] if met is not None else '-'} | {r['rl_minutes']} | "
@@ -176,6 +203,14 @@ def main() -> None:
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs side by side (use with --threads 1 on 2 cores)"
     )
+    parser.add_argument(
+        "--note", default="", help="what ran beside the benchmark, said in its results"
+    )
+    parser.add_argument(
+        "--from-runs", action="store_true",
+        help="train nothing: read the runs back from --runs-dir (a benchmark cut short, e.g. "
+        "by a worker killed for memory, keeps what its runs wrote) and write the results",
+    )  # fmt: skip
     smoke = {"steps": 1, "no_warmup_steps": 1, "runs": ["seed0", "no-warmup"]}
     args = parse_args(parser, "real_model", smoke, runs=True)
     calls = []  # run by run, the tasks interleaved: side by side, long and short runs mix
@@ -186,9 +221,15 @@ def main() -> None:
             overrides += [f"threads={args.threads}"]
             overrides += [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks else []
             calls.append((task, label, overrides, args.runs_dir, args.smoke))
-    results = run_side_by_side(
-        run_one, calls, args.jobs, lambda r: print("\n".join(table([r])), flush=True)
-    )
+    if args.from_runs:
+        found = [
+            from_run_dir(task, label, overrides, runs) for task, label, overrides, runs, _ in calls
+        ]
+        results = [r for r in found if r is not None]
+    else:
+        results = run_side_by_side(
+            run_one, calls, args.jobs, lambda r: print("\n".join(table([r])), flush=True)
+        )
     results.sort(key=lambda r: (args.tasks.index(r["task"]), args.runs.index(r["label"])))
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -198,9 +239,15 @@ def main() -> None:
         "smoke": args.smoke,
         "jobs": args.jobs,
         "threads": args.threads,
+        "read_back": args.from_runs,
+        "note": args.note,
     }
     md = [
         f"# A real model learns ({meta['date']}, {meta['machine']}, {meta['model']})",
+        "",
+        f"{args.jobs} run(s) at a time, {args.threads or 'default'} torch thread(s) each; the "
+        "target of a run: held-out success at least twice its start and at least "
+        f"{TARGET_ABSOLUTE}, within {TARGET_MINUTES:g} minutes of RL. {args.note}".rstrip(),
         "",
         *table(results),
         "",
