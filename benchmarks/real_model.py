@@ -180,7 +180,7 @@ def episode_lines(results: list[dict[str, Any]]) -> list[str]:
         for name in ("first", "last"):
             e = r["episodes"][name]
             lines += ["", f"**{r['task']} {r['label']}, step {e['step']} ({name}), reward "
-                      f"{e['reward']:.2f}.** {e['question'].splitlines()[-1]}", ""]  # fmt: skip
+                      f"{e['reward']:.2f}.** {e['question'].splitlines()[0]}", ""]  # fmt: skip
             lines += [f"    {t['role']}: {' '.join(t['content'].split())}" for t in e["turns"]]
     return lines
 
