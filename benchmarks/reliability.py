@@ -56,7 +56,10 @@ from training_runs import TINY_RUN
 
 RUN = [*TINY_RUN, "model.echo_steps=0", "log.tensorboard=true",
        # an alarm a few steps in, so alarms.jsonl has a record to keep once
-       "monitor.warmup_steps=3", "monitor.window=1", "monitor.entropy_jump=1e-6"]  # fmt: skip
+       "monitor.warmup_steps=3", "monitor.window=1", "monitor.entropy_jump=1e-6",
+       # off: it watches wall-clock speed, which a kill and a resume change (not a metric
+       # that can equal the uninterrupted run's)
+       "monitor.slowdown_frac=0"]  # fmt: skip
 
 
 def start(run: Path, options: list[str], resume: bool) -> subprocess.Popen[str]:

@@ -35,8 +35,10 @@ from turnrl.trainer.loop import train
 MASKS = ["token_mis", "sequence_mis", "icepop", "geometric_mask"]
 LOSSES = ["cispo", "gmpo", "sapo"]
 NEW_PRESETS = ["cispo", "gmpo", "sapo"]
-NOT_PRESETS = {"quickstart", "bandit", "frozen_lake", "search_qa", "learning_proof"}
-"""Recipes that are environments or measurements, not a paper's algorithm."""
+NOT_PRESETS = {"quickstart", "bandit", "frozen_lake", "search_qa", "learning_proof",
+               "smollm2_search_qa", "smollm2_tool_math"}  # fmt: skip
+"""Recipes that are environments, models or measurements, not a paper's algorithm (the
+SmolLM2 recipes are trained by benchmarks/real_model.py, whose smoke test runs both)."""
 
 BAND = {"icepop": {"off_policy__max_ratio": 1.5}}
 """icepop's own band [0.5, 5] holds every ratio of the skewed batch (at most e^1): a tighter
