@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from turnrl._lazy import lazy_attribute
 from turnrl.envs import Environment, TextEnv, ToolEnv, check_env, make_env_family
 from turnrl.envs.agent import AgentEnvironment
 from turnrl.envs.agent_processes import AgentProcesses
@@ -66,10 +67,4 @@ _LAZY = {  # name -> module: these import torch, so only when first asked for
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'turnrl' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, globals(), name)

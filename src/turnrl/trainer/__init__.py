@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from turnrl._lazy import lazy_attribute
+
 if TYPE_CHECKING:
     from turnrl.trainer.config import AlgorithmConfig, MicroBatchConfig, WarmupConfig
     from turnrl.trainer.learner import Learner
@@ -42,10 +44,4 @@ _LAZY = {  # name -> module: imported when first asked for
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, globals(), name)
