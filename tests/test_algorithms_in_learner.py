@@ -36,7 +36,7 @@ MASKS = ["token_mis", "sequence_mis", "icepop", "geometric_mask"]
 LOSSES = ["cispo", "gmpo", "sapo"]
 NEW_PRESETS = ["cispo", "gmpo", "sapo"]
 NOT_PRESETS = {"quickstart", "bandit", "frozen_lake", "search_qa", "learning_proof",
-               "smollm2_search_qa", "smollm2_tool_math"}  # fmt: skip
+               "smollm2_search_qa", "smollm2_tool_math", "demo"}  # fmt: skip
 """Recipes that are environments, models or measurements, not a paper's algorithm (the
 SmolLM2 recipes are trained by benchmarks/real_model.py, whose smoke test runs both)."""
 

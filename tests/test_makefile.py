@@ -69,8 +69,6 @@ def test_the_vllm_venv_installs_only_what_the_main_lock_lacks() -> None:
     assert all(p in held for p in rest)
 
 
-def test_the_demos_train_the_quick_start_and_the_real_model() -> None:
-    assert ".venv/bin/turnrl train --out runs/quickstart-" in dry_run("demo")
-    assert ".venv/bin/turnrl train smollm2_search_qa --out runs/smollm2_search_qa-" in dry_run(
-        "demo-real"
-    )
+def test_the_demos_train_the_real_model_and_the_quick_start() -> None:
+    assert ".venv/bin/turnrl train demo --out runs/demo-" in dry_run("demo")
+    assert ".venv/bin/turnrl train --out runs/quickstart-" in dry_run("demo-tiny")
