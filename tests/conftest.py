@@ -46,6 +46,15 @@ class UntilSuccess:
                 raise Reached
 
 
+def swe_tests_can_run() -> bool:
+    """The swe environment runs a library's own tests with pytest under
+    ``/usr/bin/python3`` (apt's python3-pytest, which `make test` installs); CI has it."""
+    from turnrl.envs.swe import runner as swe_runner
+
+    command = f"{swe_runner.TEST_PYTHON} -c 'import pytest' 2>/dev/null"
+    return os.system(command) == 0 or bool(os.environ.get("CI"))
+
+
 def first_to_reach(
     bar: float,
     attempts: Sequence[tuple[int, int]],

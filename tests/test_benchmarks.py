@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from conftest import swe_tests_can_run
 from turnrl.envs.swe import runner as swe_runner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -363,7 +363,7 @@ def test_every_benchmark_script_has_a_smoke_test() -> None:
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_smoke_run_writes_its_results(name: str, tmp_path: Path) -> None:
-    if name == "envs" and not has_test_python():
+    if name == "envs" and not swe_tests_can_run():
         pytest.skip(f"{swe_runner.TEST_PYTHON} has no pytest (apt-get install python3-pytest)")
     before = files_under(BENCHMARKS / "results", BENCHMARKS / "runs")
     out = tmp_path / name
@@ -380,9 +380,3 @@ def test_smoke_run_writes_its_results(name: str, tmp_path: Path) -> None:
     assert re.search(r"^\|---", table, re.MULTILINE), "no table"
     CHECKS[name](data, tmp_path)
     assert files_under(BENCHMARKS / "results", BENCHMARKS / "runs") == before
-
-
-def has_test_python() -> bool:
-    """The swe environment runs library tests with pytest under this interpreter."""
-    command = f"{swe_runner.TEST_PYTHON} -c 'import pytest' 2>/dev/null"
-    return os.system(command) == 0 or bool(os.environ.get("CI"))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from conftest import swe_tests_can_run
 from turnrl.envs import check_env
 from turnrl.envs.policy import Episode, play, replay
 from turnrl.envs.swe import SWE
@@ -24,8 +25,7 @@ from turnrl.formats import get_format
 from turnrl.types import ToolCall
 
 needs_pytest = pytest.mark.skipif(
-    os.system(f"{swe_runner.TEST_PYTHON} -c 'import pytest' 2>/dev/null") != 0
-    and not os.environ.get("CI"),
+    not swe_tests_can_run(),
     reason="/usr/bin/python3 has no pytest (apt-get install python3-pytest)",
 )
 pytestmark = needs_pytest

@@ -18,6 +18,7 @@ from turnrl.types import (
     StepResult,
     Task,
     ToolCall,
+    Turn,
 )
 
 T = TypeVar("T")
@@ -170,21 +171,33 @@ class ToolSchemas(Protocol):
 
 def env_format(env: Env) -> Format | None:
     """The tool-call ``Format`` that parses ``env``'s turns (its ``format``: ``ToolEnv``,
-    the games, the agent environments), or None where it has none."""
-    fmt: Format | None = getattr(env, "format", None)
-    return fmt
+    the games, the agent environments), or None where it has none (or holds something
+    else under that name)."""
+    fmt = getattr(env, "format", None)
+    return fmt if isinstance(fmt, Format) else None
 
 
 def env_tools(env: Env) -> ToolSchemas | None:
     """The tools ``env`` holds after ``reset`` with their full schemas (its ``tools``,
     whether or not its format puts them in the chat template), or None where it holds
-    none it can show."""
-    tools: ToolSchemas | None = getattr(env, "tools", None)
-    return tools
+    none it can show (no ``tools``, or one without ``schemas()``, such as a plain list of
+    functions)."""
+    tools = getattr(env, "tools", None)
+    return tools if callable(getattr(tools, "schemas", None)) else None
+
+
+def env_turn_observer(env: Env) -> Callable[[Turn], object] | None:
+    """``env``'s ``observe_turn(turn)``, called with each sampled turn before ``step``
+    (an agent environment keeps the turn's tokens), or None where it has none."""
+    observe: Callable[[Turn], object] | None = getattr(env, "observe_turn", None)
+    return observe
 
 
 async def close_env(env: Env) -> None:
-    """Let ``env`` release what it holds (its ``async def close()``, where it has one)."""
+    """Let ``env`` release what it holds: its ``close()``, where it has one, awaited when
+    it is a coroutine method."""
     close = getattr(env, "close", None)
     if close is not None:
-        await close()
+        result = close()
+        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+            await result

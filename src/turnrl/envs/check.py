@@ -66,11 +66,10 @@ from turnrl.envs.reward_hack_probes import (
     Probe,
     ProbeResult,
     answer_space,
-    env_format,
     probe_policy,
 )
 from turnrl.formats import get_format
-from turnrl.protocols import Env
+from turnrl.protocols import Env, env_format, env_tools
 from turnrl.types import Message, Task, ToolCall
 
 CHECKS = (
@@ -334,9 +333,9 @@ def _tool_schemas(env: Env) -> Any:
     if not callable(method):
         return None
     schemas = method()
-    own = getattr(getattr(env, "tools", None), "schemas", None)
-    if isinstance(schemas, list) and not schemas and callable(own):
-        schemas = own()
+    own = env_tools(env)
+    if isinstance(schemas, list) and not schemas and own is not None:
+        schemas = own.schemas()
     return schemas
 
 

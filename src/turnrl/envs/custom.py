@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnrl.formats import get_format, using_default_format
-from turnrl.protocols import Env, Format, ToolSchema
+from turnrl.protocols import Env, Format, ToolSchema, close_env, env_format, env_tools
 from turnrl.types import Task, ToolCall
 
 TaskSource = Sequence[Task] | Callable[[int, str], Task]
@@ -161,7 +160,7 @@ async def default_demonstration(make_env: Callable[[], Env], task: Task, seed: i
         turns.append(rng.choice(words))
         return turns
     finally:
-        await _close(env)
+        await close_env(env)
 
 
 def default_corpus(spec: Any, num_tasks: int = CORPUS_TASKS) -> list[str]:
@@ -233,20 +232,12 @@ async def _tools_and_format(
         await env.reset(task, 0)
         return _tools_and_format_of(env)
     finally:
-        await _close(env)
+        await close_env(env)
 
 
 def _tools_and_format_of(env: Env) -> tuple[list[ToolSchema], Format | None]:
     """A reset environment's tools (their full schemas, whether or not its format puts
     them in the template) and its format."""
-    tools = getattr(env, "tools", None)
-    schemas = tools.schemas() if tools is not None and hasattr(tools, "schemas") else []
-    return list(schemas or env.tool_schemas()), getattr(env, "format", None)
-
-
-async def _close(env: Env) -> None:
-    close = getattr(env, "close", None)
-    if close is not None:
-        result = close()
-        if inspect.isawaitable(result):
-            await result
+    tools = env_tools(env)
+    schemas = tools.schemas() if tools is not None else []
+    return list(schemas or env.tool_schemas()), env_format(env)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from turnrl.envs.env_card import EnvCard
-from turnrl.protocols import Env
+from turnrl.protocols import Env, close_env
 from turnrl.types import Message, StepResult, Task
 
 Policy = Callable[[Sequence[Message]], str]
@@ -106,7 +106,5 @@ async def play(env: Env, task: Task, policy: Policy, *, seed: int, max_steps: in
                 break
             messages += [{"role": "assistant", "content": action}, *result.observation]
     finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            await close()
+        await close_env(env)
     return Episode(opening, tuple(actions), tuple(results), ended_by)

@@ -30,10 +30,9 @@ import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from turnrl.envs.policy import Policy
-from turnrl.protocols import Env, Format, TaskSource
+from turnrl.protocols import Env, Format, TaskSource, env_format
 from turnrl.types import Message, Task
 
 MAX_OPTIONS = 200
@@ -215,12 +214,6 @@ def answer_turn(text: str, fmt: Format | None, opening: Sequence[Message]) -> st
         if answer is not None and text.strip() in answer:
             return turn
     return text
-
-
-def env_format(env: Env) -> Format | None:
-    """The env's call format (``env.format``), or None where it exposes none."""
-    fmt: Any = getattr(env, "format", None)
-    return fmt if isinstance(fmt, Format) else None
 
 
 def probe_policy(probe: Probe, task: Task, clues: Clues, env: Env) -> Policy | None:

@@ -42,11 +42,10 @@ from tqdm import tqdm
 
 from turnrl.envs import make_env_family
 from turnrl.envs.policy import HasCard
-from turnrl.envs.reward_hack_probes import env_format
 from turnrl.errors import ConfigError
 from turnrl.formats import get_format
 from turnrl.formats.openai_message import assistant_text
-from turnrl.protocols import Env
+from turnrl.protocols import Env, close_env, env_format
 from turnrl.rollout.episode import EpisodeLimits, SamplingParams, derive_seed
 from turnrl.types import Message, Task, Trajectory
 
@@ -366,12 +365,10 @@ async def _remote_episode(
     except Exception as exc:  # a failed request or env is this episode's data
         stop_reason, error = "error", f"{type(exc).__name__}: {exc}"
     finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            try:
-                await close()
-            except Exception as exc:
-                error = error or f"close failed: {type(exc).__name__}: {exc}"
+        try:
+            await close_env(env)
+        except Exception as exc:
+            error = error or f"close failed: {type(exc).__name__}: {exc}"
     return _row(
         task, sample, reward=reward, success=success, components=components, turns=turns,
         tool_calls=calls, tool_errors=tool_errors, completion_tokens=tokens,

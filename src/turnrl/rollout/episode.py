@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from turnrl.protocols import Env
+from turnrl.protocols import Env, close_env, env_format, env_turn_observer
 from turnrl.rollout.chat import ChatRenderer
 from turnrl.types import (
     Completion,
@@ -108,11 +108,8 @@ async def run_episode(
 async def _close(env: Env, traj: Trajectory) -> None:
     """Let the env release its tools (an optional ``close`` coroutine method). A failure
     to close is recorded on the trajectory, not raised: the episode's data stands."""
-    close = getattr(env, "close", None)
-    if close is None:
-        return
     try:
-        await close()
+        await close_env(env)
     except Exception as exc:
         traj.info["close_error"] = f"{type(exc).__name__}: {exc}"
 
@@ -136,7 +133,7 @@ async def _play(
 ) -> None:
     messages = list(await env.reset(task, seed))
     # the env knows its tools after reset; its format writes them where the template cannot
-    renderer = renderer.with_tools(env.tool_schemas(), getattr(env, "format", None))
+    renderer = renderer.with_tools(env.tool_schemas(), env_format(env))
     traj.messages = messages
     new_ids = renderer.prompt(messages)
     context: list[int] = list(new_ids)
@@ -188,7 +185,7 @@ async def _play(
                 reason = "max_context" if budget == room else "max_episode_tokens"
             _end(traj, reason, truncated=True)
             return
-        observe = getattr(env, "observe_turn", None)
+        observe = env_turn_observer(env)
         if observe is not None:
             observe(turn)
         waiting[0] = "env.step (the environment, its tools or its agent)"
