@@ -121,7 +121,7 @@ from turnrl.trainer import (
 SECTIONS = ("tiny", "sync", "gpu")
 """The parts of the benchmark, in the order they run (``--sections``)."""
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=1024)
-"""The quick-start's shape with 2 heads (32 wide), as ``model.num_heads=2`` builds it."""
+"""The quick-start's shape with 2 heads (32 wide), as ``model.tiny.num_heads=2`` builds it."""
 SYNC_SHAPES = {
     "tiny": TINY,
     "~10x": TinyModelConfig(hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2,

@@ -44,14 +44,15 @@ from turnrl.trainer import tiny_model_config
 ROOT = Path(__file__).resolve().parent
 CONFIGS = [(2500, 0.0), (2500, 0.5), (6000, 0.5), (6000, 0.8)]  # (echo_steps, echo_novel)
 NUM_WORDS = 60
-SMOKE_MODEL = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2"]
+SMOKE_MODEL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2"]
 
 
 def build(out: Path, echo_steps: int, echo_novel: float, extra: list[str] | None = None) -> Path:
     """The search_qa recipe's tiny model with the given echo tuning (and ``extra``
     overrides)."""
-    recipe = load_config("search_qa", [f"model.echo_steps={echo_steps}",
-                                       f"model.echo_novel={echo_novel}", *(extra or [])])  # fmt: skip
+    recipe = load_config("search_qa", [f"model.tiny.echo_steps={echo_steps}",
+                                       f"model.tiny.echo_novel={echo_novel}",
+                                       *(extra or [])])  # fmt: skip
     spec = make_env_family(recipe.env.name, **recipe.env.options)
     return build_tiny_model(
         out, tiny_model_config(recipe), extra_corpus=spec.corpus(), overwrite=True

@@ -42,7 +42,7 @@ from turnrl import train
 ROOT = Path(__file__).resolve().parent
 EXAMPLE = ROOT.parent / "examples" / "existing_agent.py"
 OVERHEAD = [  # the quick-start's model and batch; a short warm-up so episodes call the tool
-    "model.echo_steps=100", "warmup.steps=100", "eval.every=100000", "max_minutes=0",
+    "model.tiny.echo_steps=100", "warmup.steps=100", "eval.every=100000", "max_minutes=0",
     "save_every=100000",
 ]  # fmt: skip
 LEARNING = ["max_minutes=0", "eval.every=10", "eval.num_tasks=64", "save_every=100000"]
@@ -223,7 +223,8 @@ def main() -> None:
     parser.add_argument("--learning-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="more overrides for both paths (e.g. a larger model.hidden_size)")  # fmt: skip
+                        help="more overrides for both paths "
+                             "(e.g. a larger model.tiny.hidden_size)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument(
         "--agent-processes", type=int, default=1,

@@ -173,7 +173,7 @@ def run_probe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     if not args.smoke:
         sets.append("model.precision=bf16-mixed")
     else:
-        sets += ["steps=2", "model.echo_steps=10", "warmup.steps=4", "eval.num_tasks=8",
+        sets += ["steps=2", "model.tiny.echo_steps=10", "warmup.steps=4", "eval.num_tasks=8",
                  "rollout.prompts_per_step=2", "rollout.group_size=2"]  # fmt: skip
     sets += args.probe_set
     reset_peak()

@@ -78,7 +78,7 @@ def warmup_checkpoint(runs: Path, seed: int, echo_steps: int, extra: Sequence[st
     start = run_dir / "start_model"
     if not (start / "config.json").is_file():
         shutil.rmtree(run_dir, ignore_errors=True)
-        overrides = [*extra, f"seed={seed}", "steps=0", f"model.echo_steps={echo_steps}"]
+        overrides = [*extra, f"seed={seed}", "steps=0", f"model.tiny.echo_steps={echo_steps}"]
         train(load_config("learning_proof", overrides), out=run_dir, progress=False)
     return start
 

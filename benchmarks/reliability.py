@@ -54,7 +54,7 @@ import torch
 from outputs import parse_args
 from training_runs import TINY_RUN
 
-RUN = [*TINY_RUN, "model.echo_steps=0", "log.tensorboard=true",
+RUN = [*TINY_RUN, "model.tiny.echo_steps=0", "log.tensorboard=true",
        # an alarm a few steps in, so alarms.jsonl has a record to keep once
        "monitor.warmup_steps=3", "monitor.window=1", "monitor.entropy_jump=1e-6",
        # off: it watches wall-clock speed, which a kill and a resume change (not a metric

@@ -229,9 +229,9 @@ def random_model(work: Path, wide: bool = False) -> Path:
     name = "random-wide-model" if wide else "random-model"
     start = work / name / "start_model"
     if not (start / "config.json").is_file():
-        overrides = ["steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
+        overrides = ["steps=0", "model.tiny.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
         if wide:
-            overrides += ["model.hidden_size=256", "model.num_layers=4"]
+            overrides += ["model.tiny.hidden_size=256", "model.tiny.num_layers=4"]
         train(load_config("quickstart", overrides), out=work / name, progress=False)
     return start
 

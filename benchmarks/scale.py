@@ -225,8 +225,9 @@ def measure(directory: Path, batch: list[Sample], repeats: int) -> dict[str, Any
 
 
 ASYNC_RUN = [
-    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.vocab_size=512",
-    "model.echo_steps=0", "warmup.steps=60", "rollout.prompts_per_step=8",
+    "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+    "model.tiny.vocab_size=512", "model.tiny.echo_steps=0", "warmup.steps=60",
+    "rollout.prompts_per_step=8",
     "rollout.group_size=8", "rollout.max_turns=2", "rollout.max_tokens_per_turn=24",
     "eval.every=1000", "eval.num_tasks=8", "save_every=1000", "max_minutes=0",
 ]  # fmt: skip
@@ -433,7 +434,7 @@ WORKER_LAYOUTS = [  # (label, overrides)
 
 WORKERS_RUN = [
     "rollout.prompts_per_step=16", "rollout.max_tokens_per_turn=48",
-    "model.hidden_size=128", "model.num_layers=4", "model.num_heads=4",
+    "model.tiny.hidden_size=128", "model.tiny.num_layers=4", "model.tiny.num_heads=4",
 ]  # fmt: skip
 """The workers section's changes to ``ASYNC_RUN``: a rollout with more compute (a 4x larger
 model, 128 episodes of longer turns), which workers can split; with the async section's

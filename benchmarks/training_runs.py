@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 TINY_RUN = [  # --smoke: a 32-wide 1-layer model, 2 steps of 2 x 2 episodes, 4 eval tasks
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.vocab_size=512",
-    "model.echo_steps=2", "warmup.steps=2", "warmup.batch_size=4",
+    "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+    "model.tiny.vocab_size=512", "model.tiny.echo_steps=2", "warmup.steps=2",
+    "warmup.batch_size=4",
     "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens_per_turn=24",
     "steps=2", "eval.every=1", "eval.num_tasks=4",
 ]  # fmt: skip

@@ -113,9 +113,15 @@ def checkpoints(work: Path, extra: Sequence[str] = ()) -> dict[str, Path]:
     start = random_dir / "start_model"
     if not (start / "config.json").is_file():
         shutil.rmtree(random_dir, ignore_errors=True)
-        overrides = [*extra, "steps=0", "model.echo_steps=0", "warmup.steps=0", "eval.num_tasks=1"]
+        overrides = [
+            *extra,
+            "steps=0",
+            "model.tiny.echo_steps=0",
+            "warmup.steps=0",
+            "eval.num_tasks=1",
+        ]
         train(load_config("learning_proof", overrides), out=random_dir, progress=False)
-    echo_steps = load_config("learning_proof", list(extra)).model.echo_steps
+    echo_steps = load_config("learning_proof", list(extra)).model.tiny.echo_steps
     return {"single": start, "multi": warmup_checkpoint(work, 0, echo_steps, extra)}
 
 

@@ -265,8 +265,9 @@ def schema_check(fn: Callable[..., Any]) -> None:
 
 
 CONFIG_KEYS = [
-    "seed", "steps", "save_every", "max_minutes", "model.hidden_size", "model.echo_steps",
-    "model.precision", "env.name", "env.options", "env.num_tasks", "rollout.group_size",
+    "seed", "steps", "save_every", "max_minutes", "model.tiny.hidden_size",
+    "model.tiny.echo_steps", "model.hidden_size", "model.precision", "env.name",
+    "env.options", "env.num_tasks", "rollout.group_size",
     "rollout.prompts_per_step", "rollout.max_error_frac", "rollout.backend",
     "algorithm.preset", "algorithm.kl_coef", "algorithm.kl.coef", "algorithm.clip",
     "algorithm.loss_agg", "algorithm.advantage", "eval.every", "log.tensorboard",

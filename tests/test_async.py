@@ -188,7 +188,7 @@ def test_a_learner_rank_killed_with_batches_ahead_stops_the_run_and_resume_is_ex
 
 
 PARTIAL = [
-    "model.echo_steps=0", "steps=4", "eval.every=4", "eval.num_tasks=8",
+    "model.tiny.echo_steps=0", "steps=4", "eval.every=4", "eval.num_tasks=8",
     "rollout.prompts_per_step=4", "rollout.group_size=4", "threads=1",
     "env.options.latency_s=0.5", "algorithm.max_staleness=1",
 ]  # fmt: skip

@@ -57,7 +57,7 @@ def test_with_nothing_is_the_same_config(recipe: str) -> None:
         ("rollout.group_size=1", "rollout.group_size", 1),  # out of range
         ("algorithm.advantage=ppo", "algorithm.advantage", "ppo"),  # not a choice
         ("steps.x=1", "steps.x", 1),  # not a section
-        ("model.hidden_size=1.5", "model.hidden_size", 1.5),
+        ("model.tiny.hidden_size=1.5", "model.tiny.hidden_size", 1.5),
     ],
 )
 def test_typed_settings_are_refused_as_set_refuses_them(string: str, key: str, value: Any) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tomllib
@@ -110,14 +112,44 @@ def test_an_unknown_key_names_the_nearest_setting_a_sub_section_included(
 ) -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.kl\.coeff'"):
         load_config(None, ["algorithm.kl.coeff=0.1"])
-    with pytest.raises(ConfigError, match=r"'algorithm\.kl_coef'; did you mean 'kl\.coef'\?"):
+    with pytest.raises(
+        ConfigError, match=r"'algorithm\.kl_coef'; did you mean 'algorithm\.kl\.coef'\?"
+    ):
         load_config(None, ["algorithm.kl_coef=0.1"])
     flat = tmp_path / "flat.toml"
     flat.write_text('base = "quickstart"\n[algorithm]\neps_high = 0.28\n')
-    with pytest.raises(ConfigError, match=r"'algorithm\.eps_high'; did you mean 'clip\.high'\?"):
+    with pytest.raises(
+        ConfigError, match=r"'algorithm\.eps_high'; did you mean 'algorithm\.clip\.high'\?"
+    ):
         load_config(str(flat))
-    with pytest.raises(ConfigError, match=r"'rollout\.max_turn'; did you mean 'max_turns'\?"):
+    with pytest.raises(
+        ConfigError, match=r"'rollout\.max_turn'; did you mean 'rollout\.max_turns'\?"
+    ):
         load_config(None, ["rollout.max_turn=3"])
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("arch", "llama"), ("hidden_size", 32), ("num_layers", 1), ("num_heads", 2),
+     ("vocab_size", 512), ("echo_steps", 3), ("echo_novel", 0.5)],
+)  # fmt: skip
+def test_a_tiny_model_setting_written_in_model_names_its_key_in_model_tiny(
+    name: str, value: Any, tmp_path: Path
+) -> None:
+    """The tiny model's settings moved from ``model`` to ``model.tiny``, with no alias: the
+    old key is unknown, and its error names the new one, from ``--set``, from Python and
+    from a recipe."""
+    message = rf"unknown config key 'model\.{name}'; did you mean 'model\.tiny\.{name}'\?"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"model.{name}={json.dumps(value)}"])
+    with pytest.raises(ConfigError, match=message):
+        Config().with_({f"model.{name}": value})
+    old = tmp_path / "old.toml"
+    old.write_text(f'base = "quickstart"\n[model]\n{name} = {json.dumps(value)}\n')
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(old))
+    new = load_config(None, [f"model.tiny.{name}={json.dumps(value)}"])
+    assert getattr(new.model.tiny, name) == value
 
 
 def test_the_cluster_section_is_shown_and_bad_values_are_refused(

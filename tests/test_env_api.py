@@ -178,16 +178,16 @@ def test_train_hands_the_model_family_s_format_to_the_environment(
 
     monkeypatch.setattr("turnrl.api._train_loop", loop)
     family = Environment(make_task, lambda: ToolEnv([multiply], verify))
-    turnrl.train("grpo", env=family, out=tmp_path, overrides=[f"model.arch={arch}"])
+    turnrl.train("grpo", env=family, out=tmp_path, overrides=[f"model.tiny.arch={arch}"])
     assert seen["env"].make_env().format.name == expected
-    turnrl.train("grpo", env=Family(), out=tmp_path, overrides=[f"model.arch={arch}"])
+    turnrl.train("grpo", env=Family(), out=tmp_path, overrides=[f"model.tiny.arch={arch}"])
     assert seen["env"].make_env().format.name == expected
     name = "tests.test_env_api:Family"
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
-    turnrl.train("grpo", out=tmp_path, overrides=[f"model.arch={arch}", f"env.name={name}"])
+    turnrl.train("grpo", out=tmp_path, overrides=[f"model.tiny.arch={arch}", f"env.name={name}"])
     assert seen["env"].make_env().format.name == expected  # a family named in the config
-    path = "model.path=/no/such/checkpoint"  # a checkpoint: hermes, whatever model.arch says
-    turnrl.train("grpo", env=family, out=tmp_path, overrides=[f"model.arch={arch}", path])
+    path = "model.path=/no/such/checkpoint"  # a checkpoint: hermes, whatever model.tiny.arch says
+    turnrl.train("grpo", env=family, out=tmp_path, overrides=[f"model.tiny.arch={arch}", path])
     assert seen["env"].make_env().format.name == "hermes"
 
 

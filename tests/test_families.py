@@ -499,7 +499,7 @@ def test_a_run_trains_each_family_in_its_own_format(
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
 
-    config = load_config(None, [*SMALL_RUN, f"model.arch={arch}", f"env.format={call_format}"])
+    config = load_config(None, [*SMALL_RUN, f"model.tiny.arch={arch}", f"env.format={call_format}"])
     result = train(config, tmp_path / "run", progress=False)
     first = result.rows[0]
     assert first["startup/template_prefix"] == 1.0

@@ -929,7 +929,7 @@ def test_a_worker_that_cannot_start_stops_the_run_with_its_own_error(
     """vLLM workers where vLLM is missing, on the cluster at ``cluster.address`` (whose
     nodes the driver cannot check for it beforehand): the run stops with the worker's own
     one-line error, not Ray's page of its remote traceback."""
-    settings = ["rollout.backend=vllm", "model.hidden_size=64", "cluster.address=auto"]
+    settings = ["rollout.backend=vllm", "model.tiny.hidden_size=64", "cluster.address=auto"]
     with pytest.raises(RolloutWorkerError) as caught:
         train(config(1, *settings), out=tmp_path / "run", progress=False)
     message = str(caught.value)
@@ -943,7 +943,7 @@ def test_a_vllm_run_without_vllm_stops_before_building_anything(tmp_path: Path) 
     """In process, or on workers of a local cluster (this Python): checked first."""
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed")
-    settings = ["rollout.backend=vllm", "model.hidden_size=64"]
+    settings = ["rollout.backend=vllm", "model.tiny.hidden_size=64"]
     for workers in (0, 2):
         run = tmp_path / f"run{workers}"
         with pytest.raises(BackendError, match=r"rollout\.backend = 'vllm' needs vLLM"):

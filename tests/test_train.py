@@ -281,7 +281,7 @@ def test_vllm_on_a_cpu_refuses_heads_its_kernel_cannot_run(tmp_path: Path) -> No
     from turnrl.backends.vllm_backend import check_cpu_head_size
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4}')
-    with pytest.raises(ConfigError, match=r"has 16 \(64 / 4 heads\).*model.num_heads = 2"):
+    with pytest.raises(ConfigError, match=r"has 16 \(64 / 4 heads\).*model.tiny.num_heads = 2"):
         check_cpu_head_size(tmp_path)
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 2}')
     check_cpu_head_size(tmp_path)  # 32 wide: runs
@@ -291,7 +291,12 @@ def test_vllm_on_a_cpu_refuses_heads_its_kernel_cannot_run(tmp_path: Path) -> No
 def test_a_vllm_run_with_narrow_heads_stops_before_building_the_model(tmp_path: Path) -> None:
     """The tiny model's shape is refused before its pretraining and the warm-up (minutes of
     work on the quick-start), not when the engine starts after them."""
-    settings = [*SMALL_RUN, "rollout.backend=vllm", "model.hidden_size=64", "model.num_heads=4"]
+    settings = [
+        *SMALL_RUN,
+        "rollout.backend=vllm",
+        "model.tiny.hidden_size=64",
+        "model.tiny.num_heads=4",
+    ]
     with pytest.raises(ConfigError, match=r"the tiny model .* has 16 \(64 / 4 heads\)"):
         train(load_config(None, settings), tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "base_model").exists()

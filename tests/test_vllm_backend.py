@@ -295,8 +295,9 @@ def test_stop_tokens_and_lengths_finish_as_in_the_torch_backend(
 
 
 SMALL_VLLM_RUN = [
-    "steps=2", "model.hidden_size=64", "model.num_heads=2", "model.num_layers=1",
-    "model.vocab_size=512", "model.echo_steps=0", "rollout.prompts_per_step=2",
+    "steps=2", "model.tiny.hidden_size=64", "model.tiny.num_heads=2",
+    "model.tiny.num_layers=1", "model.tiny.vocab_size=512", "model.tiny.echo_steps=0",
+    "rollout.prompts_per_step=2",
     "rollout.group_size=2", "rollout.max_tokens_per_turn=24", "warmup.steps=2",
     "warmup.batch_size=4", "eval.every=1", "eval.num_tasks=4", "rollout.backend=vllm",
 ]  # fmt: skip
@@ -406,7 +407,7 @@ def test_partial_rollouts_sync_the_engine_in_process_between_turns(tmp_path: Pat
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
 
-    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+    settings = [*PARTIAL, "model.tiny.num_heads=2", "rollout.backend=vllm",
                 "algorithm.partial_rollouts=true"]  # fmt: skip
     train(load_config(None, settings), tmp_path, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -427,7 +428,7 @@ def test_overlapping_batches_share_the_vllm_engine(tmp_path: Path) -> None:
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
 
-    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+    settings = [*PARTIAL, "model.tiny.num_heads=2", "rollout.backend=vllm",
                 "algorithm.max_staleness=2", "algorithm.partial_rollouts=true",
                 "algorithm.overlap_batches=true"]  # fmt: skip
     train(load_config(None, settings), tmp_path, progress=False)
@@ -447,8 +448,8 @@ def test_a_bf16_colocated_run_sleeps_the_engine_between_rollouts(tmp_path: Path)
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
 
-    settings = ["rollout.backend=vllm", "model.precision=bf16-mixed", "model.num_heads=2",
-                "model.hidden_size=64", "steps=4"]  # fmt: skip
+    settings = ["rollout.backend=vllm", "model.precision=bf16-mixed", "model.tiny.num_heads=2",
+                "model.tiny.hidden_size=64", "steps=4"]  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
     result = train(load_config(None, [*SMALL_RUN, *settings]), tmp_path / "run", progress=False)
     assert result.rows[0]["startup/logprob_gap_max"] < 0.1
@@ -481,7 +482,7 @@ def test_an_asynchronous_run_samples_with_vllm_awake_beside_the_learner_on_the_g
     from turnrl.trainer.config import load_config
     from turnrl.trainer.loop import train
 
-    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+    settings = [*PARTIAL, "model.tiny.num_heads=2", "rollout.backend=vllm",
                 "model.precision=bf16-mixed", "algorithm.partial_rollouts=true"]  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
     result = train(load_config(None, settings), tmp_path / "run", progress=False)

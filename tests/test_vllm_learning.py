@@ -50,7 +50,7 @@ def probe_run(tmp_path: Path, *settings: str) -> Callable[[int, int, UntilSucces
         config = load_config(
             "quickstart",
             [
-                f"seed={seed}", "model.num_heads=2", "rollout.backend=vllm", f"steps={steps}",
+                f"seed={seed}", "model.tiny.num_heads=2", "rollout.backend=vllm", f"steps={steps}",
                 "max_minutes=0", "threads=1", "save_every=1000", "eval.every=10",
                 "eval.num_tasks=64", *settings,
             ],

@@ -31,8 +31,9 @@ pytestmark = pytest.mark.vllm
 
 
 RUN = [
-    "steps=3", "threads=1", "save_every=1", "model.hidden_size=64", "model.num_heads=2",
-    "model.num_layers=1", "model.vocab_size=512", "model.echo_steps=0",
+    "steps=3", "threads=1", "save_every=1", "model.tiny.hidden_size=64",
+    "model.tiny.num_heads=2", "model.tiny.num_layers=1", "model.tiny.vocab_size=512",
+    "model.tiny.echo_steps=0",
     "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens_per_turn=24",
     "warmup.steps=2", "warmup.batch_size=4", "eval.every=1", "eval.num_tasks=4",
     "rollout.backend=vllm", "algorithm.entropy_coef=0.05", "algorithm.lr=0.01",
@@ -113,7 +114,7 @@ def test_partial_rollouts_reach_a_vllm_worker_between_turns(tmp_path: Path) -> N
     from test_async import PARTIAL
     from test_rollout_workers import partial_on_workers
 
-    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+    settings = [*PARTIAL, "model.tiny.num_heads=2", "rollout.backend=vllm",
                 "cluster.rollout_workers=1"]  # fmt: skip
     partial_on_workers(tmp_path / "run", settings)
 
@@ -124,7 +125,7 @@ def test_overlapping_batches_run_together_on_a_vllm_worker(tmp_path: Path) -> No
     from test_async import PARTIAL
     from test_rollout_workers import overlap_on_workers
 
-    settings = [*PARTIAL, "model.num_heads=2", "rollout.backend=vllm",
+    settings = [*PARTIAL, "model.tiny.num_heads=2", "rollout.backend=vllm",
                 "cluster.rollout_workers=1"]  # fmt: skip
     overlap_on_workers(tmp_path / "run", settings)
 

@@ -19,8 +19,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "lock.txt"
 TINY_RUN = [  # the quick-start, shrunk to seconds
-    "steps=2", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-    "model.vocab_size=512", "model.echo_steps=0", "warmup.steps=2", "eval.num_tasks=4",
+    "steps=2", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
+    "model.tiny.num_heads=2", "model.tiny.vocab_size=512", "model.tiny.echo_steps=0",
+    "warmup.steps=2", "eval.num_tasks=4",
     "rollout.prompts_per_step=2", "rollout.group_size=2",
 ]  # fmt: skip
 OTHER_PYTHONS = sorted(  # pyenv's interpreters, where the machine has them

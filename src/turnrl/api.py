@@ -116,8 +116,8 @@ def train(
 
 
 def _family_format(config: Config) -> str:
-    """The call format of the run's model family (the tiny model's ``model.arch``)."""
+    """The call format of the run's model family (the tiny model's ``model.tiny.arch``)."""
     from turnrl.models import FAMILIES
 
-    family = FAMILIES.get(config.model.arch) if not config.model.path else None
+    family = FAMILIES.get(config.model.tiny.arch) if not config.model.path else None
     return family.tool_format if family is not None else "hermes"

@@ -32,8 +32,9 @@ EXTRAS = {
     "mcp": "mcp",
 }  # fmt: skip
 SELF_CHECK_RUN = [  # two RL steps on the probe with the smallest model: seconds on a CPU
-    "steps=2", "save_every=2", "max_minutes=0", "model.hidden_size=32", "model.num_layers=1",
-    "model.num_heads=2", "model.vocab_size=512", "model.echo_steps=0",
+    "steps=2", "save_every=2", "max_minutes=0", "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.vocab_size=512",
+    "model.tiny.echo_steps=0",
     "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_tokens_per_turn=24",
     "warmup.steps=2", "warmup.batch_size=4", "eval.every=2", "eval.num_tasks=4",
 ]  # fmt: skip

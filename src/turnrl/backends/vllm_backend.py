@@ -460,5 +460,5 @@ def cpu_head_size_problem(config: Mapping[str, Any], name: str) -> str | None:
     return (
         f"vLLM's CPU attention needs heads of at least {MIN_CPU_HEAD_SIZE} dimensions; "
         f"{name} has {size} ({hidden} / {heads} heads). For the tiny model set "
-        f"model.num_heads = {max(1, hidden // MIN_CPU_HEAD_SIZE)}."
+        f"model.tiny.num_heads = {max(1, hidden // MIN_CPU_HEAD_SIZE)}."
     )

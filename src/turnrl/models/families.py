@@ -37,7 +37,7 @@ class Family:
     """The tokens and template of one model family (see the module docstring)."""
 
     name: str
-    """The name ``TinyModelConfig.arch`` and ``model.arch`` use."""
+    """The name ``TinyModelConfig.arch`` and ``model.tiny.arch`` use."""
     model_type: ModelType
     """Architecture of the model: Qwen2, Llama, Qwen3 or Mistral ``ForCausalLM``."""
     chat_template: str

@@ -477,7 +477,7 @@ def say(message: str, progress: bool) -> None:
 def tiny_model_config(config: Config) -> TinyModelConfig:
     """The tiny model a run with an empty ``model.path`` builds (its shape, echo tuning and
     the run's seed)."""
-    m = config.model
+    m = config.model.tiny
     return TinyModelConfig(
         arch=m.arch,
         hidden_size=m.hidden_size,
@@ -509,8 +509,8 @@ def _check_engine(config: Config) -> None:
         if m.path:
             check_cpu_head_size(Path(m.path))
         else:
-            shape = {"hidden_size": m.hidden_size, "num_attention_heads": m.num_heads}
-            tiny = "the tiny model (model.hidden_size / num_heads)"
+            shape = {"hidden_size": m.tiny.hidden_size, "num_attention_heads": m.tiny.num_heads}
+            tiny = "the tiny model (model.tiny.hidden_size / num_heads)"
             problem = cpu_head_size_problem(shape, tiny)
             if problem:
                 raise ConfigError(problem)

@@ -11,8 +11,7 @@ HELP: dict[str, dict[str, str]] = {
         "target_modules": "Module names to adapt (e.g.",
         "dropout": "Dropout on the adapters' input while training.",
     },
-    "ModelConfig": {
-        "path": "A local checkpoint directory or hub id; a ``.gguf`` file (or a directory holding one), imported once into a float32 checkpoint in turnrl's cache; a named model (``turnrl models list``: ``smollm2-135m``, from its installed package).",
+    "TinyModelSettings": {
         "arch": "Tiny model architecture and chat family (used only when ``path`` is empty): ``qwen2``/``llama`` with turnrl's ChatML template, or a family's own template and control tokens (``qwen3``, ``llama3``, ``mistral``; ``turnrl.models.FAMILIES``).",
         "hidden_size": "Tiny model width.",
         "num_layers": "Tiny model depth.",
@@ -20,6 +19,10 @@ HELP: dict[str, dict[str, str]] = {
         "vocab_size": "Tiny model tokenizer vocabulary (BPE trained locally).",
         "echo_steps": 'Tiny model: steps of generic "repeat what was said" tuning after initialisation (in-context copying, which real base models have); 0 keeps it random.',
         "echo_novel": "Tiny model: share of the echo chats on made-up words, so it can copy names it has never seen (a world of fresh names, as in ``search_qa``); 0 copies known words only.",
+    },
+    "ModelConfig": {
+        "path": "A local checkpoint directory or hub id; a ``.gguf`` file (or a directory holding one), imported once into a float32 checkpoint in turnrl's cache; a named model (``turnrl models list``: ``smollm2-135m``, from its installed package).",
+        "tiny": "The tiny model's shape, family and echo tuning (used only when ``path`` is empty).",
         "lora": "Low-rank adapters (``rank > 0``) instead of full fine-tuning.",
         "device": "Where the learner and the torch sampler run: ``auto`` (the first CUDA device if there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.",
         "precision": "``float32`` throughout, or ``bf16-mixed``: master weights and optimizer state stay float32, forward and backward run under bfloat16 autocast (the learner and the torch sampler; log-probs and losses are computed in float32); a vLLM sampler runs bfloat16.",

@@ -149,22 +149,32 @@ def build(cls: type[Any], data: Any, where: str) -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ConfigError(f"unknown config key {path!r}{_nearest(key, fields, hints)}")
+            raise ConfigError(f"unknown config key {path!r}{_nearest(key, fields, hints, where)}")
         kwargs[key] = _coerce(hints[key], value, path)
     return cls(**kwargs)
 
 
-def _nearest(key: str, fields: dict[str, Any], hints: dict[str, Any]) -> str:
-    """A hint for an unknown ``key``: the nearest setting of the section, a key of a
+def _nearest(key: str, fields: dict[str, Any], hints: dict[str, Any], where: str) -> str:
+    """A hint for an unknown ``key`` of section ``where``, as a whole dotted key: the
+    setting of a sub-section of that very name (``model.hidden_size`` is
+    ``model.tiny.hidden_size``), else the nearest setting of the section, a key of a
     sub-section included (``kl_coef`` is near ``kl.coef``), else the section's keys."""
     near = {name: name for name in fields}
+    inside: dict[str, list[str]] = {}  # a sub-section's setting name -> its dotted keys
     for name in fields:
         if isinstance(hints[name], type) and dataclasses.is_dataclass(hints[name]):
-            near.update(
-                {f"{name}_{f.name}": f"{name}.{f.name}" for f in dataclasses.fields(hints[name])}
-            )
-    close = difflib.get_close_matches(key, list(near), n=1)
-    return f"; did you mean {near[close[0]]!r}?" if close else f"; known: {sorted(fields)}"
+            for f in dataclasses.fields(hints[name]):
+                near[f"{name}_{f.name}"] = f"{name}.{f.name}"
+                inside.setdefault(f.name, []).append(f"{name}.{f.name}")
+    if len(inside.get(key, [])) == 1:
+        guess = inside[key][0]
+    else:
+        close = difflib.get_close_matches(key, list(near), n=1)
+        if not close:
+            return f"; known: {sorted(fields)}"
+        guess = near[close[0]]
+    dotted = f"{where}.{guess}" if where else guess
+    return f"; did you mean {dotted!r}?"
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:

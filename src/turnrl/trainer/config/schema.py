@@ -57,14 +57,9 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Which model to train."""
+class TinyModelSettings:
+    """The tiny model turnrl builds when ``model.path`` is empty (``model.tiny``)."""
 
-    path: str = ""
-    """A local checkpoint directory or hub id; a ``.gguf`` file (or a directory holding
-    one), imported once into a float32 checkpoint in turnrl's cache; a named model
-    (``turnrl models list``: ``smollm2-135m``, from its installed package). Empty builds
-    the tiny model into the run directory."""
     arch: Literal["qwen2", "llama", "qwen3", "llama3", "mistral"] = "qwen2"
     """Tiny model architecture and chat family (used only when ``path`` is empty):
     ``qwen2``/``llama`` with turnrl's ChatML template, or a family's own template and
@@ -83,6 +78,19 @@ class ModelConfig:
     echo_novel: float = 0.0
     """Tiny model: share of the echo chats on made-up words, so it can copy names it has
     never seen (a world of fresh names, as in ``search_qa``); 0 copies known words only."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to train."""
+
+    path: str = ""
+    """A local checkpoint directory or hub id; a ``.gguf`` file (or a directory holding
+    one), imported once into a float32 checkpoint in turnrl's cache; a named model
+    (``turnrl models list``: ``smollm2-135m``, from its installed package). Empty builds
+    the tiny model into the run directory."""
+    tiny: TinyModelSettings = field(default_factory=TinyModelSettings)
+    """The tiny model's shape, family and echo tuning (used only when ``path`` is empty)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters (``rank > 0``) instead of full fine-tuning."""
     device: str = "auto"
@@ -146,7 +154,7 @@ class RolloutConfig:
     """The sampling engine: turnrl's own torch sampler (the reference; shares the learner's
     model), or vLLM in this process (``pip install 'turnrl[vllm]'``; weights synced in
     place after every update). On a CPU, vLLM needs attention heads of at least 32 wide
-    (``model.hidden_size / model.num_heads``)."""
+    (``model.tiny.hidden_size / model.tiny.num_heads`` for the tiny model)."""
     sampler_weights: Literal["auto", "shared", "bf16"] = "auto"
     """The torch sampler's weights. ``shared``: the learner's own model, no copy (under
     bf16-mixed it autocasts like the learner, which recasts the float32 weights at every
