@@ -8,7 +8,10 @@ optimizer's state as it is. For scale, it also takes the cosine between the floa
 gradients of the batch's two halves, which differ only by what was sampled. The halves are the
 alternate rows of every micro-batch (sorted by length, so the two are alike). The run itself
 steps with its float32 gradients (both passes of ``epochs = 2``): it is the float32 run,
-with three more gradient computations a step that change nothing in it.
+with three more gradient computations a step that change nothing in it. The run is
+``turnrl.train``'s, its learner made by its ``make_learner`` hook (the in-process learner,
+its class swapped for ``ComparingLearner``); before issue 55 it called the trainer's loop
+with the same hook directly: the same run.
 
     python benchmarks/bf16_gradients.py           # seed 1, 60 steps, one thread (~12 min)
     python benchmarks/bf16_gradients.py --smoke   # a tiny model, 2 steps (seconds)
@@ -33,11 +36,9 @@ import torch
 
 from outputs import parse_args
 from training_runs import TINY_RUN, write_results
-from turnrl import load_config
+from turnrl import load_config, train
 from turnrl.rollout import Batch
-from turnrl.trainer import Learner
-from turnrl.trainer.loop import train
-from turnrl.trainer.startup import LearnerSpec, in_process_learner
+from turnrl.trainer import Learner, LearnerSpec, in_process_learner
 
 
 def flat_grad(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -164,7 +165,7 @@ def main() -> None:
 
     run_dir = args.runs_dir / f"bf16-gradients-seed{args.seed}"
     t0 = time.perf_counter()
-    result = train(config, run_dir, progress=not args.smoke, make_learner=make_learner)
+    result = train(config, out=run_dir, progress=not args.smoke, make_learner=make_learner)
     curve = [
         (int(r["step"]), r["eval/success_mean"]) for r in result.rows if "eval/success_mean" in r
     ]

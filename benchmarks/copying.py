@@ -7,7 +7,9 @@ sequences, not only of words the tokenizer has one token for. This measures, gre
 
 - ``made-up``: "Say W." for made-up words from the echo generator's own distribution
   (a seed the tuning never used);
-- ``names``: "Say N." for person and city names of search_qa worlds the model never saw;
+- ``names``: "Say N." for person and city names of search_qa worlds the model never saw
+  (the ``world`` of search_qa families whose seeds no recipe uses; until issue 55 they came
+  from the world builder itself with seeds "copying/i": other worlds alike, other names);
 - ``names in a sentence``: "The word is N. What is the word?" for the same names.
 
     python benchmarks/copying.py                   # builds the four models below (~25 min)
@@ -36,9 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from outputs import parse_args
 from training_runs import write_results
 from turnrl import load_config, make_env_family
-from turnrl.envs.search_qa import build_world
-from turnrl.models import build_tiny_model
-from turnrl.models.pretrain import made_up_word
+from turnrl.models import build_tiny_model, made_up_word
 from turnrl.trainer import tiny_model_config
 
 ROOT = Path(__file__).resolve().parent
@@ -74,13 +74,21 @@ def copy_rate(model: Any, tokenizer: Any, words: list[str], template: str) -> fl
     return hits / len(words)
 
 
+UNSEEN_SEED = 1_000_000
+"""The first search_qa seed of the worlds names are drawn from: no recipe's (theirs are
+small), so the model never saw these worlds."""
+
+
 def unseen_names(count: int) -> list[str]:
-    """Person and city names of search_qa worlds no recipe builds (seeds "copying/i")."""
+    """Person and city names of small search_qa worlds no recipe builds (the ``world`` of
+    the family with seed ``UNSEEN_SEED + i``)."""
     names: list[str] = []
     i = 0
     while len(names) < count:
-        world = build_world(f"copying/{i}", 2, 4, 2, 6)
-        names += [n for kind in ("person", "city") for n in world.names(kind)[:1]]
+        family: Any = make_env_family(
+            "search_qa", seed=UNSEEN_SEED + i, countries=2, cities=4, companies=2, people=6
+        )
+        names += [n for kind in ("person", "city") for n in family.world.names(kind)[:1]]
         i += 1
     return names[:count]
 

@@ -12,6 +12,14 @@ Each cell is the median of 5 learner steps (``Learner.step_samples``, one optimi
 the layouts take turns) on the tiny model and on a wider one (hidden 256, 4 layers),
 float32 on CPU.
 
+``padded`` (no prefix run once) is the ``padded`` layout on the same batch with the first
+token of one sample changed, so that the rows share no prefix: every row runs in full, as
+many positions as before, and a step's cost does not depend on the tokens' values. The
+packed cells are those the ``packed`` learner's model is called with (a forward pre-hook on
+its base model, in the untimed first round). Before issue 55 both came from inside the
+trainer (its prefix threshold set out of reach, its packing function called apart): the
+same figures through public names.
+
     python benchmarks/learner.py
     python benchmarks/learner.py --smoke       # the tiny model only, one timed step each
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import random
@@ -35,7 +44,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from outputs import parse_args
-from turnrl.trainer import AlgorithmConfig, Learner, MicroBatchConfig, Sample, forward
+from turnrl.trainer import AlgorithmConfig, Learner, MicroBatchConfig, Sample
 
 ROOT = Path(__file__).resolve().parent
 VOCAB = 1024
@@ -68,30 +77,42 @@ def model(hidden: int, layers: int) -> Any:
     return Qwen2ForCausalLM(config)
 
 
+def unshared(samples: list[Sample]) -> list[Sample]:
+    """``samples`` with the first sample's first token changed: the rows then share no
+    prefix, so the padded layout runs every row in full (the same positions)."""
+    first = samples[0]
+    ids = (first.input_ids[0] % (VOCAB - 1) + 1, *first.input_ids[1:])
+    return [dataclasses.replace(first, input_ids=ids), *samples[1:]]
+
+
 def time_layouts(
     net: Any, samples: list[Sample], layouts: list[str], repeats: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], int]:
     """Median seconds of one learner step per layout, the layouts taking turns (round
-    robin) so that drift in the machine's speed hits them alike."""
+    robin) so that drift in the machine's speed hits them alike; and the token positions
+    the packed layout's model call runs (its cells)."""
     advantages = [float((-1) ** i) for i in range(len(samples))]
     learners = {}
     for layout in layouts:
         chosen = "padded" if layout.startswith("padded") else layout
         config = AlgorithmConfig(lr=1e-5, micro_batch=MicroBatchConfig(size=32, layout=chosen))
         learners[layout] = Learner(copy.deepcopy(net), config, temperature=1.0)
+    rows = {layout: unshared(samples) if layout == "padded" else samples for layout in layouts}
+    cells: list[int] = []
+
+    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cells.append(kwargs["input_ids"].numel())
+
+    hook = learners["packed"].model.base_model.register_forward_pre_hook(count, with_kwargs=True)
     times: dict[str, list[float]] = {layout: [] for layout in layouts}
-    shared = forward.MIN_SHARED_PREFIX
-    try:
-        for r in range(repeats + 1):  # the first round warms up
-            for layout in layouts:
-                forward.MIN_SHARED_PREFIX = 10**9 if layout == "padded" else shared
-                t0 = time.perf_counter()
-                learners[layout].step_samples(samples, advantages, pad_id=0)
-                if r:
-                    times[layout].append(time.perf_counter() - t0)
-    finally:
-        forward.MIN_SHARED_PREFIX = shared
-    return {layout: statistics.median(t) for layout, t in times.items()}
+    for r in range(repeats + 1):  # the first round warms up
+        for layout in layouts:
+            t0 = time.perf_counter()
+            learners[layout].step_samples(rows[layout], advantages, pad_id=0)
+            if r:
+                times[layout].append(time.perf_counter() - t0)
+        hook.remove()  # the first round's packed step has been counted
+    return {layout: statistics.median(t) for layout, t in times.items()}, cells[0]
 
 
 def main() -> None:
@@ -109,12 +130,7 @@ def main() -> None:
             lengths = [len(s.input_ids) for s in samples]
             real = sum(lengths)
             padded_cells = len(lengths) * max(lengths)
-            ids = torch.zeros((len(lengths), max(lengths)), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, n in enumerate(lengths):
-                mask[i, :n] = 1
-            packed_cells = forward.pack_rows(ids, mask).input_ids.numel()
-            times = time_layouts(net, samples, layouts, args.repeats)
+            times, packed_cells = time_layouts(net, samples, layouts, args.repeats)
             row = {
                 "model": name, "batch": kind, "tokens": real,
                 "padded_cells": padded_cells, "packed_cells": packed_cells, "step_s": times,

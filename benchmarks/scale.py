@@ -59,6 +59,12 @@ to 2 torch workers by broadcast, the same models: through the driver's model (ga
 it, then broadcast from it) and from the ranks themselves (rank 0 broadcasts, the driver
 only coordinates: ranks_to_workers.py), the two fleets side by side, syncing in turn.
 
+Since issue 55 every section reaches these parts through public names (``turnrl.distributed``'s
+``RayRolloutWorkers``, ``GroupLearner``, ``with_adapters``; ``turnrl.trainer``'s
+``WorkersSpec``, ``resolved``), and the learner section finds a rank's decoder layers as
+the Qwen2 decoder layers they are (transformers' class), not through the ranks' own
+lookup: the same parts, timed the same way.
+
     python benchmarks/scale.py
     python benchmarks/scale.py --sections sync
     python benchmarks/scale.py --sections async
@@ -144,8 +150,7 @@ def whole_parameters(learner: Any, batch: list[Sample], advantages: list[float])
     """On a rank: one update, and [the most bytes of parameters (policy and KL reference)
     held whole when a decoder layer starts its forward, the bytes of this rank's shards]."""
     from torch.distributed.tensor import DTensor
-
-    from turnrl.distributed.rank import decoder_layers
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     models = [m for m in (learner.root, learner.reference_root) if m is not None]
 
@@ -158,9 +163,11 @@ def whole_parameters(learner: Any, batch: list[Sample], advantages: list[float])
         whole = sum(nbytes(p) for m in models for p in m.parameters() if not isinstance(p, DTensor))
         most[0] = max(most[0], whole)
 
-    handles = [
-        layer.register_forward_pre_hook(count) for m in models for layer in decoder_layers(m)
+    # the decoder layers (FSDP2's units; fully_shard makes a subclass of each)
+    layers = [
+        layer for m in models for layer in m.modules() if isinstance(layer, Qwen2DecoderLayer)
     ]
+    handles = [layer.register_forward_pre_hook(count) for layer in layers]
     try:
         learner.step_samples(batch, advantages, 0)
     finally:
@@ -509,8 +516,7 @@ def workers_spec(n: int, weight_sync: str, made: Any, *more: str) -> Any:
     """The ``WorkersSpec`` of ``n`` one-thread workers synced by ``weight_sync`` for a
     model ``sync_models`` made (``more``: the run's other settings)."""
     from turnrl import load_config, make_env_family
-    from turnrl.trainer.config import resolved
-    from turnrl.trainer.startup import WorkersSpec
+    from turnrl.trainer import WorkersSpec, resolved
 
     path, model, tokenizer = made
     c = resolved(
@@ -530,7 +536,7 @@ def section_meta(args: argparse.Namespace) -> dict[str, Any]:
 
 def sync_section(args: argparse.Namespace) -> dict[str, Any]:
     """``RayRolloutWorkers.sync`` seconds by model size, weight sync and worker count."""
-    from turnrl.distributed.rollout_workers import RayRolloutWorkers
+    from turnrl.distributed import RayRolloutWorkers
 
     out = section_meta(args)
     for row, made in sync_models(args, "sync"):
@@ -619,16 +625,14 @@ def ranks_sync_times(
     ``algorithm.max_staleness = staleness``."""
     import functools
 
-    from turnrl.distributed.driver import GroupLearner, _with_adapters
-    from turnrl.distributed.ranks_to_workers import FromRanks
-    from turnrl.distributed.rollout_workers import RayRolloutWorkers
+    from turnrl.distributed import GroupLearner, RayRolloutWorkers, with_adapters
     from turnrl.models.lora import add_lora
 
     path, model, tokenizer = made
     source: Any = path
     if lora:
         load = functools.partial(load_model, path, dtype=torch.float32)
-        source = functools.partial(_with_adapters, load, **RANKS_LORA)
+        source = functools.partial(with_adapters, load, **RANKS_LORA)
         model = add_lora(load(), **RANKS_LORA)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -642,8 +646,7 @@ def ranks_sync_times(
     try:
         for way in RANKS_SYNC:
             fleets[way] = RayRolloutWorkers(spec, 2, threads=1, weight_sync="broadcast")
-        ranks = FromRanks(GroupLearner(group, model), keep=staleness > 0)
-        fleets["from the ranks"].send_from_ranks(ranks)
+        fleets["from the ranks"].send_from_ranks(GroupLearner(group, model), keep=staleness > 0)
         times: dict[str, list[float]] = {way: [] for way in RANKS_SYNC}
         for r in range(args.repeats + 1):  # the first forms the groups
             for way, fleet in fleets.items():

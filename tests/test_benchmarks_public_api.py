@@ -7,9 +7,8 @@ the reference leaves out (``turnrl.serving``, ``turnrl.report``) or a name start
 ``_`` is internal. Every benchmarks/*.py is parsed with ``ast`` (no
 import), and a failure names the file, the line and the import.
 
-``INTERNAL`` lists the imports of internals that component benchmarks still make (they
-time one part inside the trainer); it may only shrink: an entry no benchmark needs any
-more fails too."""
+``INTERNAL`` lists the imports of internals that benchmarks still make; it may only
+shrink: an entry no benchmark needs any more fails too."""
 
 from __future__ import annotations
 
@@ -22,33 +21,18 @@ BENCHMARKS = ROOT / "benchmarks"
 SRC = ROOT / "src" / "turnrl"
 
 INTERNAL: dict[str, set[str]] = {
-    "bf16_gradients.py": {
-        "turnrl.trainer.loop.train",
-        "turnrl.trainer.startup.LearnerSpec",
-        "turnrl.trainer.startup.in_process_learner",
-    },
-    "copying.py": {"turnrl.envs.search_qa.build_world", "turnrl.models.pretrain.made_up_word"},
-    "learner.py": {"turnrl.trainer.forward"},
-    "scale.py": {
-        "turnrl.distributed.driver.GroupLearner",
-        "turnrl.distributed.driver._with_adapters",
-        "turnrl.distributed.rank.decoder_layers",
-        "turnrl.distributed.ranks_to_workers.FromRanks",
-        "turnrl.distributed.rollout_workers.RayRolloutWorkers",
-        "turnrl.models.lora.add_lora",
-        "turnrl.trainer.config.resolved",
-        "turnrl.trainer.startup.WorkersSpec",
-    },
+    "scale.py": {"turnrl.models.lora.add_lora"},
 }
-"""Component benchmarks that reach inside the trainer, which no public name does:
-bf16_gradients swaps the learner's class inside a run (its private ``_gradient``), through the
-loop's ``make_learner`` hook; copying measures the tiny model on the word generators of its
-own echo tuning (``made_up_word``) and of search_qa's worlds (``build_world``); learner
-forces a layout through ``forward.MIN_SHARED_PREFIX`` (a tuning constant) and counts the
-cells ``forward.pack_rows`` packs; scale times the distributed driver's weight-sync paths
-(the rollout workers, the learner ranks' broadcast, LoRA adapters on the ranks), which a run
-chooses by its settings and no public name builds alone. The other benchmarks import
-public names only."""
+"""The one import of an internal a benchmark still makes: scale's LoRA policy for the ranks
+section (``add_lora``), on its way to the public ``turnrl.models.add_lora``. The others
+went public or away with issue 55: bf16_gradients runs ``turnrl.train`` with its
+``make_learner`` hook (``turnrl.trainer.LearnerSpec``, ``in_process_learner``); copying
+takes its names from search_qa families' ``world`` and its made-up words from
+``turnrl.models.made_up_word``; learner breaks the shared prefix in its data and counts
+the packed cells with a hook on the model; scale builds the weight-sync paths from
+``turnrl.distributed``'s ``RayRolloutWorkers``, ``GroupLearner`` and ``with_adapters`` and
+``turnrl.trainer``'s ``WorkersSpec`` and ``resolved``, and finds the decoder layers by
+transformers' class. Every other benchmark imports public names only."""
 
 
 def exported(module: Path) -> set[str]:

@@ -430,11 +430,9 @@ def lora_group(tiny_model_dir: Path) -> Iterator[LearnerGroup]:
     """2 ranks training a LoRA policy (the start model with adapters)."""
     import functools
 
-    from turnrl.distributed.driver import _with_adapters
+    from turnrl.distributed import with_adapters
 
-    source = functools.partial(
-        _with_adapters, functools.partial(load_model, tiny_model_dir), **LORA
-    )
+    source = functools.partial(with_adapters, functools.partial(load_model, tiny_model_dir), **LORA)
     with LearnerGroup(source, CONFIG, num_ranks=2, temperature=TEMPERATURE, timeout_s=60) as group:
         yield group
 

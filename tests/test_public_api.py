@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,3 +57,39 @@ def test_train_takes_an_environment_object_factory_or_name(
 def test_train_refuses_what_is_not_an_environment(tmp_path: Path) -> None:
     with pytest.raises(turnrl.ConfigError, match="task\\(index, split\\) and make_env"):
         turnrl.train(env=42, out=tmp_path, overrides=SMALL_RUN)
+
+
+def test_train_makes_its_learner_with_make_learner(tmp_path: Path) -> None:
+    """``make_learner`` is called once with the run's ``LearnerSpec``, and the learner it
+    returns (the default one, wrapped here) takes every update."""
+    from turnrl.trainer import Learner, LearnerSpec, in_process_learner
+
+    specs: list[LearnerSpec] = []
+    steps: list[int] = []
+
+    class Counting(Learner):
+        def step_samples(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+            steps.append(len(steps) + 1)
+            return super().step_samples(*args, **kwargs)
+
+    def make_learner(spec: LearnerSpec) -> Learner:
+        specs.append(spec)
+        learner = in_process_learner(spec)
+        learner.__class__ = Counting
+        return learner
+
+    result = turnrl.train(
+        "grpo", env=small_probe(), out=tmp_path, overrides=SMALL_RUN, progress=False,
+        make_learner=make_learner,
+    )  # fmt: skip
+    assert len(specs) == 1
+    assert not specs[0].resumed
+    assert steps == [r["step"] for r in result.rows if "loss/policy" in r] == [1, 2]
+
+
+def test_train_refuses_make_learner_with_learner_ranks(tmp_path: Path) -> None:
+    with pytest.raises(turnrl.ConfigError, match="make_learner makes a learner in this process"):
+        turnrl.train(
+            env=small_probe(), out=tmp_path, overrides=[*SMALL_RUN, "cluster.learner_ranks=1"],
+            make_learner=lambda spec: None,
+        )  # fmt: skip

@@ -535,7 +535,6 @@ def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weig
     again, and sends again; both workers then sample with the ranks' new weights, which the
     driver's model had not seen."""
     from test_distributed_learner import advantages, samples
-    from turnrl.distributed.ranks_to_workers import FromRanks
 
     monkeypatch.setattr(weight_broadcast, "BUCKET_BYTES", 1)  # each tensor a collective
     c = resolved(config(2, BROADCAST, "cluster.learner_ranks=1"))
@@ -543,7 +542,7 @@ def test_a_worker_dead_at_a_sync_from_the_ranks_is_replaced_holding_the_new_weig
     driver_model = copy.deepcopy(model)
     group, learner, workers = ranks_and_workers(c, family, tiny_model_dir, driver_model, tokenizer)
     try:
-        workers.send_from_ranks(FromRanks(learner))
+        workers.send_from_ranks(learner)
         pids = kill_worker_1(workers, driver_model, when)
         before = copy.deepcopy(driver_model.state_dict())
         learner.step_samples(samples(6, seed=2), advantages(6), pad_id=0)  # the ranks only
@@ -576,8 +575,7 @@ def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_ke
 
     from test_distributed_learner import LORA as ADAPTED
     from test_distributed_learner import advantages, lora_driver, samples
-    from turnrl.distributed.driver import _with_adapters
-    from turnrl.distributed.ranks_to_workers import FromRanks
+    from turnrl.distributed import with_adapters
     from turnrl.distributed.rollout_workers import cpu_weights
     from turnrl.models import load_model
 
@@ -587,7 +585,7 @@ def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_ke
     driver_model = copy.deepcopy(model)
     if lora:
         source = functools.partial(
-            _with_adapters, functools.partial(load_model, tiny_model_dir), **ADAPTED
+            with_adapters, functools.partial(load_model, tiny_model_dir), **ADAPTED
         )
         driver_model = lora_driver(tiny_model_dir, seed=0)
     group, learner, workers = ranks_and_workers(
@@ -596,7 +594,7 @@ def test_a_worker_replaced_while_the_ranks_update_starts_from_the_sync_rank_0_ke
     updating = concurrent.futures.ThreadPoolExecutor(1)
     try:
         group.load_weights(driver_model.state_dict())
-        workers.send_from_ranks(FromRanks(learner, keep=True))
+        workers.send_from_ranks(learner, keep=True)
         learner.step_samples(samples(6, seed=2), advantages(6), pad_id=0)
         workers.sync(driver_model, 7)  # rank 0 sends the update's weights, and keeps them
         synced = copy.deepcopy(driver_model)

@@ -19,6 +19,7 @@ from turnrl.errors import ConfigError
 from turnrl.trainer.config import Config, EnvConfig, load_config, parse_override
 from turnrl.trainer.loop import RunResult
 from turnrl.trainer.loop import train as _train_loop
+from turnrl.trainer.startup import MakeLearner
 
 
 def train(
@@ -36,6 +37,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    make_learner: MakeLearner | None = None,
 ) -> RunResult:
     """Train: ``recipe`` (a preset or recipe name, a .toml path, a ``Config``, or None
     for the quick-start) with ``config``'s settings (dotted keys to typed values,
@@ -57,12 +59,24 @@ def train(
     ``cluster.learner_ranks >= 1`` runs the learner as a group of that many processes, and
     ``cluster.rollout_workers >= 1`` the episodes on that many Ray actors
     (``turnrl.distributed``); 0, the default for both, trains in this process.
+
+    ``make_learner``: a learner of your own, in this process: called once, after the
+    warm-up, with a ``turnrl.trainer.LearnerSpec``; it returns a ``turnrl.trainer.Learner``
+    (e.g. ``turnrl.trainer.in_process_learner(spec)``, the default, subclassed or wrapped)
+    or an object with the part of its interface a run uses (``model``, ``optimizer``,
+    ``critic``, ``step_samples``, ``sampler_gap``, ``reference_kl``, ``refresh_model``). Not
+    with ``cluster.learner_ranks >= 1``, whose learner is the ranks'.
     """
     if isinstance(recipe, Config):
         settings = [*map(parse_override, overrides), *(config or {}).items()]
         run_config = recipe.with_(dict(settings)) if settings else recipe
     else:
         run_config = load_config(None if recipe is None else str(recipe), overrides, config)
+    if make_learner is not None and run_config.cluster.learner_ranks >= 1:
+        raise ConfigError(
+            "make_learner makes a learner in this process; cluster.learner_ranks = "
+            f"{run_config.cluster.learner_ranks} runs it on ranks of its own: give one or the other"
+        )
     spec = None
     if agent is not None:
         if env is not None:
@@ -75,8 +89,9 @@ def train(
         )  # fmt: skip
         try:
             return train(
-                run_config, env=env, out=out, resume=resume, progress=progress, on_row=on_row
-            )
+                run_config, env=env, out=out, resume=resume, progress=progress, on_row=on_row,
+                make_learner=make_learner,
+            )  # fmt: skip
         finally:
             env.close()
     elif tasks is not None or reward is not None or model_errors or model_error_reward:
@@ -108,11 +123,13 @@ def train(
         from turnrl.distributed.driver import train as _train_with_group
 
         return _train_with_group(
-            run_config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec
-        )
+            run_config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec,
+            make_learner=make_learner,
+        )  # fmt: skip
     return _train_loop(
-        run_config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec
-    )
+        run_config, run_dir, resume=resume, progress=progress, on_row=on_row, env=spec,
+        make_learner=make_learner,
+    )  # fmt: skip
 
 
 def _family_format(config: Config) -> str:

@@ -48,7 +48,6 @@ import torch
 
 from turnrl.distributed import ray_cluster
 from turnrl.distributed.learner_group import LearnerGroup, LearnerRankError
-from turnrl.distributed.ranks_to_workers import FromRanks
 from turnrl.distributed.rollout_workers import RayRolloutWorkers
 from turnrl.envs import EnvFamily
 from turnrl.errors import ConfigError, TurnrlError
@@ -58,7 +57,7 @@ from turnrl.trainer.checkpoint import CheckpointWriteError, latest_checkpoint
 from turnrl.trainer.config import Config
 from turnrl.trainer.loop import RunResult
 from turnrl.trainer.loop import train as train_in_loop
-from turnrl.trainer.startup import LearnerSpec, WorkersSpec
+from turnrl.trainer.startup import LearnerSpec, MakeLearner, WorkersSpec
 from turnrl.types import Sample
 
 CALL_TIMEOUT_S = 900.0
@@ -74,16 +73,18 @@ def train(
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     env: EnvFamily | None = None,
+    make_learner: MakeLearner | None = None,
 ) -> RunResult:
-    """``trainer.loop.train`` with the learner on ``cluster.learner_ranks`` ranks (if >= 1)
-    and the episodes on ``cluster.rollout_workers`` Ray actors (if >= 1). A rank that fails
+    """``trainer.loop.train`` with the learner on ``cluster.learner_ranks`` ranks (if >= 1;
+    else ``make_learner``'s, or in this process) and the episodes on
+    ``cluster.rollout_workers`` Ray actors (if >= 1). A rank that fails
     stops the run with a ``LearnerRankError`` naming it, and saying where ``--resume``
     continues from; a rollout worker that dies is replaced (rollout_workers.py). Every
     rank and worker is stopped when the run ends, however it ends."""
     started: list[GroupLearner] = []
     workers: list[RayRolloutWorkers] = []
 
-    def make_learner(spec: LearnerSpec) -> GroupLearner:
+    def make_group_learner(spec: LearnerSpec) -> GroupLearner:
         learner = GroupLearner.start(spec)
         started.append(learner)
         return learner
@@ -96,9 +97,8 @@ def train(
         )  # fmt: skip
         workers.append(fleet)
         if started and sends_from_ranks(spec.config, fleet.weight_sync):
-            started[0].model_lags = True
             keep = spec.config.algorithm.max_staleness > 0
-            fleet.send_from_ranks(FromRanks(started[0], keep=keep))
+            fleet.send_from_ranks(started[0], keep=keep)
         return fleet
 
     run_dir = Path(run_dir)
@@ -108,7 +108,7 @@ def train(
     try:
         return train_in_loop(
             config, run_dir, resume=resume, progress=progress, on_row=on_row, env=env,
-            make_learner=make_learner if cluster.learner_ranks >= 1 else None,
+            make_learner=make_group_learner if cluster.learner_ranks >= 1 else make_learner,
             make_workers=make_workers if cluster.rollout_workers >= 1 else None,
         )  # fmt: skip
     except LearnerRankError as exc:
@@ -137,8 +137,13 @@ def sends_from_ranks(config: Config, weight_sync: str) -> bool:
     return weight_sync == "broadcast" and shallow
 
 
-def _with_adapters(load: Callable[[], Any], **lora: Any) -> Any:
-    """``load()``'s model with LoRA adapters (``add_lora``), for the ranks to build."""
+def with_adapters(load: Callable[[], Any], **lora: Any) -> Any:
+    """``load()``'s model with LoRA adapters (``add_lora``'s settings: ``rank``, ``alpha``,
+    ``target_modules``, ``dropout``): a ``LearnerGroup``'s source for a LoRA policy, each
+    rank building the same adapters, as ``functools.partial(with_adapters, load,
+    **lora)`` (it pickles where ``load`` does), e.g. ``load`` a ``functools.partial`` of
+    ``turnrl.models.load_model``. The adapters' weights are the driver's to load next
+    (``LearnerGroup.load_weights``)."""
     return add_lora(load(), **lora)
 
 
@@ -162,12 +167,15 @@ def resumable(exc: LearnerRankError, run_dir: Path) -> LearnerRankError:
 
 
 class GroupLearner:
-    """The run's learner on a ``LearnerGroup``, as the trainer uses a ``Learner``.
+    """A ``LearnerGroup`` as the trainer uses a ``Learner``: the learner of a run with
+    ``cluster.learner_ranks >= 1`` (``start``), or of a loop of your own over a group and
+    the driver's ``model`` (``GroupLearner(group, model)``).
 
     ``model`` is the driver's copy of the policy: the engine samples with it and
     checkpoints save it; ``step_samples`` leaves the group's new weights in it, unless
-    ``model_lags`` (the ranks send them to the rollout workers themselves: then
-    ``refresh_model`` brings them when the model is read)."""
+    ``model_lags`` (the ranks send them to the rollout workers themselves,
+    ``RayRolloutWorkers.send_from_ranks``: then ``refresh_model`` brings them when the
+    model is read)."""
 
     def __init__(self, group: LearnerGroup, model: Any) -> None:
         self.group = group
@@ -194,7 +202,7 @@ class GroupLearner:
         lo = c.model.lora
         if lo.rank > 0:  # the same adapters on the start policy; their weights come next
             source = functools.partial(
-                _with_adapters, source, rank=lo.rank, alpha=lo.alpha,
+                with_adapters, source, rank=lo.rank, alpha=lo.alpha,
                 target_modules=tuple(lo.target_modules), dropout=lo.dropout,
             )  # fmt: skip
         try:

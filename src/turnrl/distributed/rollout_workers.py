@@ -72,7 +72,7 @@ from turnrl.backends.concurrent_programs import ConcurrentPrograms
 from turnrl.backends.torch_backend import TorchBackend
 from turnrl.backends.vllm_backend import VLLMBackend
 from turnrl.distributed import ray_cluster
-from turnrl.distributed.ranks_to_workers import ABORTED
+from turnrl.distributed.ranks_to_workers import ABORTED, FromRanks
 from turnrl.distributed.weight_broadcast import (
     JOIN_TIMEOUT_S,
     BroadcastAborted,
@@ -280,8 +280,8 @@ class RayRolloutWorkers:
         formed again after any worker is replaced): a ``Sender`` when the driver sends, a
         bare ``Coordinator`` when the learner's rank 0 does (``send_from_ranks``)."""
         self._ranks: Any = None
-        """``ranks_to_workers.FromRanks`` once ``send_from_ranks`` is called: a sync of its
-        model is sent by the learner's ranks, not from the driver's model."""
+        """``ranks_to_workers.FromRanks`` once ``send_from_ranks`` is called: a sync of the
+        learner's model is sent by its ranks, not from the driver's model."""
         self._layout: Layout | None = None
         """The layout the ranks send in (the driver's model's, taken once)."""
         self.ray = ray_cluster.join(address, min_cpus=num_workers)
@@ -473,14 +473,17 @@ class RayRolloutWorkers:
                 self._replace(w)
         return timings
 
-    def send_from_ranks(self, ranks: Any) -> None:
-        """From now on a sync of ``ranks.model`` (the driver's copy of the policy, which
-        then lags) goes from the learner's ranks to the workers, the driver only
-        coordinating (``ranks``: a ``ranks_to_workers.FromRanks``). Broadcast syncs only."""
+    def send_from_ranks(self, learner: Any, keep: bool = False) -> None:
+        """From now on a sync of ``learner.model`` (a ``GroupLearner``'s: the driver's copy
+        of the policy, which then lags, ``model_lags``) goes from the learner's ranks to the
+        workers, rank 0 sending and the driver only coordinating (ranks_to_workers.py).
+        ``keep``: rank 0 keeps each sync it sends, for a worker replaced while the ranks run
+        the next update (an asynchronous run a step deep). Broadcast syncs only."""
         if self.weight_sync != "broadcast":
             raise ValueError(f"the ranks send by broadcast only, not by {self.weight_sync!r}")
-        self._ranks = ranks
-        self._layout = layout_of(engine_weights(ranks.model))
+        learner.model_lags = True
+        self._ranks = FromRanks(learner, keep=keep)
+        self._layout = layout_of(engine_weights(learner.model))
 
     def _broadcast(self, model: Any, version: int) -> list[dict[str, float]]:
         """The sync as one broadcast to every worker (weight_broadcast.py), from this

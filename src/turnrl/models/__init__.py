@@ -11,6 +11,7 @@ from turnrl.models.gguf import (
     resolve_model,
 )
 from turnrl.models.loading import load_model, load_tokenizer, stop_token_ids
+from turnrl.models.pretrain import made_up_word
 from turnrl.models.tiny import (
     CHAT_TEMPLATE,
     FAMILIES,
@@ -36,6 +37,7 @@ __all__ = [
     "import_gguf",
     "load_model",
     "load_tokenizer",
+    "made_up_word",
     "named_model_file",
     "resolve_model",
     "stop_token_ids",

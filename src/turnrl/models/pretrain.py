@@ -38,7 +38,9 @@ _VOWELS = "aeiouy"
 def made_up_word(rng: random.Random) -> str:
     """A pronounceable non-word: 1-4 random syllables (an onset of one consonant or a
     two-consonant cluster, a vowel, sometimes a final consonant), capitalised half of the
-    time (names are)."""
+    time (names are). The words echo tuning's ``novel_fraction`` of chats repeat
+    (``TinyModelConfig.echo_novel``); drawn from an ``rng`` of your own, words the model
+    never saw, to test that copying."""
     syllables = []
     for _ in range(rng.randint(1, 4)):
         onset = rng.choice(_CONSONANTS)
