@@ -621,7 +621,7 @@ def ranks_sync_times(
     from turnrl.distributed.driver import GroupLearner, _with_adapters
     from turnrl.distributed.ranks_to_workers import FromRanks
     from turnrl.distributed.rollout_workers import RayRolloutWorkers
-    from turnrl.models.lora import add_lora
+    from turnrl.models import add_lora
 
     path, model, tokenizer = made
     source: Any = path

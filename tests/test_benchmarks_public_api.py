@@ -35,7 +35,6 @@ INTERNAL: dict[str, set[str]] = {
         "turnrl.distributed.rank.decoder_layers",
         "turnrl.distributed.ranks_to_workers.FromRanks",
         "turnrl.distributed.rollout_workers.RayRolloutWorkers",
-        "turnrl.models.lora.add_lora",
         "turnrl.trainer.config.resolved",
         "turnrl.trainer.startup.WorkersSpec",
     },
