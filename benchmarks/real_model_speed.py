@@ -21,7 +21,10 @@ it, the CPU model and its vector flags (/proc/cpuinfo), torch's threads and the 
   (target: at least 1.5x on 16 at once) and turnrl-vLLM over raw vLLM (target: at least
   1x). ``concurrency``: ``TorchBackend`` and ``VLLMBackend`` on 16, 64 and 256 requests at
   once (the 4 prompts in turn; ``--concurrency``), and where vLLM overtakes torch. ``sync``:
-  ``VLLMBackend.load_weights`` of the model, median.
+  ``VLLMBackend.load_weights`` of the model, median. vLLM runs in float32 with the threads
+  torch has, unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``), and a KV cache of 4 GiB
+  unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise (turnrl's default, 1 GiB, holds about
+  23,000 tokens of this model: 256 requests would not fit at once).
 - ``update``: one GRPO update of 16 samples (4 groups of 4; each group's prompt is its
   rendered task prompt filled to ``--prompt-tokens`` with random ids, standing for earlier
   turns; completions of ``--completion-tokens`` random ids; loss on completions only;
@@ -40,7 +43,8 @@ it, the CPU model and its vector flags (/proc/cpuinfo), torch's threads and the 
   freed memory. The growth includes the gradients, which do not grow with episodes; per
   episode it is divided by 16, with and without them. Then, with the step returned, the
   float32 tensors as wide as the vocabulary that Python still reaches (``gc``; a probe
-  tensor checks that the scan finds one) and the resident size left over the baseline.
+  tensor checks that the scan finds one), the gradients still held, and the resident size
+  left over the baseline.
 - ``lora``: the same update with ``model.lora.rank=16`` (``add_lora`` with the run's
   settings) against full fine-tuning: step time and peak memory, as above.
 - ``bf16``: where the CPU has avx512_bf16 or amx_bf16: the update step under bf16-mixed
@@ -171,7 +175,7 @@ def git_commit() -> str | None:
                              capture_output=True, text=True, timeout=10)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 CPU = cpu_info()
@@ -806,6 +810,8 @@ def memory_child(spec_path: Path) -> None:
     wall = time.perf_counter() - t0
     peak = status_kb("VmHWM")
     alive = vocabulary_tensors(vocab)
+    kept = sum(q.grad.numel() * q.grad.element_size() for q in model.parameters()
+               if q.grad is not None)  # fmt: skip
     hand_back_freed_memory()
     left = status_kb("VmRSS")
     trainable = parameters(model, trainable=True)
@@ -816,7 +822,8 @@ def memory_child(spec_path: Path) -> None:
         "gradients_mb": grads_mb,
         "per_episode_mb": growth_mb / len(samples),
         "per_episode_without_gradients_mb": (growth_mb - grads_mb) / len(samples),
-        "left_after_step_mb": (left - base) / 1024, "trainable_parameters": trainable,
+        "left_after_step_mb": (left - base) / 1024, "gradients_kept_mb": kept / 2**20,
+        "trainable_parameters": trainable,
         "step_s": wall, "vocabulary_tensors_after_step": alive,
     }))  # fmt: skip
 
@@ -1087,13 +1094,13 @@ def sampler_lines(r: dict[str, Any]) -> list[str]:
 def memory_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| variant | baseline RSS MB | peak RSS MB | peak growth MB | per episode MB "
-        "| per episode, gradients aside MB | left after step MB | vocab-wide float32 "
-        "tensors alive after |",
-        "|---|---|---|---|---|---|---|---|",
+        "| per episode, gradients aside MB | left after step MB | of it, gradients kept MB "
+        "| vocab-wide float32 tensors alive after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in memory.items():
         if "error" in m:
-            lines.append(f"| {name} | failed: {m['error'][:120]} | | | | | | |")
+            lines.append(f"| {name} | failed: {m['error'][:120]} | | | | | | | |")
             continue
         v = m["vocabulary_tensors_after_step"]
         alive = f"{v['count']} ({v['bytes'] / 1e6:.1f} MB)" + ("" if v["probe_found"]
@@ -1102,7 +1109,7 @@ def memory_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
             f"| {name} | {m['baseline_rss_mb']:.0f} | {m['peak_rss_mb']:.0f} | "
             f"{m['peak_growth_mb']:.0f} | {m['per_episode_mb']:.1f} | "
             f"{m['per_episode_without_gradients_mb']:.1f} | {m['left_after_step_mb']:.0f} | "
-            f"{alive} |"
+            f"{m['gradients_kept_mb']:.0f} | {alive} |"
         )
     return lines
 
