@@ -271,6 +271,9 @@ class Subject:
     tokenizer: Any
     model: Any
     prompts: list[tuple[int, ...]]
+    vllm: list[tuple[VLLMBackend | None, dict[str, Any]]]
+    """The vLLM engine ``sampler`` uses (or None and why), started with the model; the
+    section takes it (``pop``), so that it is gone when the section ends."""
 
     @property
     def pad_id(self) -> int:
@@ -311,8 +314,13 @@ def load_subject(args: argparse.Namespace) -> Subject:
         label = "tiny (--smoke)"
     else:
         path, label = Path(resolve_model(args.model)), args.model
-    tokenizer, model = load_tokenizer(path), load_model(path)
-    return Subject(label, path, tokenizer, model, first_prompts(model, tokenizer, args.prompts))
+    tokenizer = load_tokenizer(path)
+    # vLLM 0.32's CPU start-up walks every loaded module and fails on one of numba's, which
+    # search_qa's index (bm25s) imports: the engine starts before any episode runs.
+    engine = [vllm_engine(path, tokenizer)] if "sampler" in args.sections else []
+    model = load_model(path)
+    prompts = first_prompts(model, tokenizer, args.prompts)
+    return Subject(label, path, tokenizer, model, prompts, engine)
 
 
 def sampler_requests(
@@ -519,7 +527,7 @@ def sampler_section(subject: Subject, args: argparse.Namespace) -> dict[str, Any
     warm: dict[str, Callable[[], Any]] = {
         "hf-generate-1": lambda: hf_generate(model, requests[:1], pad, eos)
     }
-    engine, vllm_info = vllm_engine(subject)
+    engine, vllm_info = subject.vllm.pop()
     if engine is not None:
         variants["raw-vllm"] = lambda: raw_vllm(engine, requests)
         variants["raw-vllm-ids"] = lambda: raw_vllm(engine, requests, detokenize=False)
@@ -549,9 +557,9 @@ def sampler_section(subject: Subject, args: argparse.Namespace) -> dict[str, Any
     }  # fmt: skip
 
 
-def vllm_engine(subject: Subject) -> tuple[VLLMBackend | None, dict[str, Any]]:
-    """A ``VLLMBackend`` on the model's directory (float32, the threads torch has), or
-    None and the reason it could not start."""
+def vllm_engine(path: Path, tokenizer: Any) -> tuple[VLLMBackend | None, dict[str, Any]]:
+    """A ``VLLMBackend`` on the model directory ``path`` (float32, the threads torch has),
+    or None and the reason it could not start."""
     if importlib.util.find_spec("vllm") is None:
         return None, {"skipped": f"no vllm in {sys.executable} (run under .venv-vllm)"}
     try:
@@ -560,7 +568,7 @@ def vllm_engine(subject: Subject) -> tuple[VLLMBackend | None, dict[str, Any]]:
         return None, {"skipped": f"vllm does not import: {type(exc).__name__}: {exc}"}
     t0 = time.perf_counter()
     try:
-        engine = VLLMBackend(subject.path, subject.tokenizer, max_model_len=1024, sleep=False)
+        engine = VLLMBackend(path, tokenizer, max_model_len=1024, sleep=False)
     except Exception as exc:
         traceback.print_exc()
         return None, {"skipped": f"vLLM's engine did not start: {type(exc).__name__}: {exc}"}

@@ -190,6 +190,10 @@ def real_model_speed(data: dict[str, Any], tmp: Path) -> None:
         assert not {"raw-vllm", "turnrl-vllm"} & set(s["samplers"])
         assert "skipped" in s["sync"]
         assert s["targets"]["vllm_over_raw_at_least_1"] is None
+    else:  # .venv-vllm: raw vLLM and turnrl's on one engine, the sweep and the sync
+        assert {"raw-vllm", "raw-vllm-ids", "turnrl-vllm"} <= set(s["samplers"])
+        assert all("turnrl-vllm" in r["samplers"] for r in s["concurrency"]["rows"])
+        assert s["sync"]["load_weights_s"] > 0
     assert [r["requests"] for r in s["concurrency"]["rows"]] == [4, 8]
     u = data["update"]
     assert set(u["steps"]) == {
