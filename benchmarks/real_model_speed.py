@@ -601,8 +601,9 @@ def concurrency(
     else:
         faster = [r["requests"] for r in rows if r["vllm_over_torch"]["median"] > 1.0]
         crossover = (
-            f"vLLM samples faster from {faster[0]} requests at once" if faster
-            else f"vLLM never overtook torch up to {rows[-1]['requests']} requests at once"
+            f"vLLM never overtook torch up to {rows[-1]['requests']} requests at once"
+            if not faster else f"vLLM samples faster from {faster[0]} requests at once"
+            + (" (the fewest measured)" if faster[0] == rows[0]["requests"] else "")
         )  # fmt: skip
     return {"rows": rows, "crossover": crossover}
 
