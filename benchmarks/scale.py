@@ -626,7 +626,7 @@ def ranks_sync_times(
     import functools
 
     from turnrl.distributed import GroupLearner, RayRolloutWorkers, with_adapters
-    from turnrl.models.lora import add_lora
+    from turnrl.models import add_lora
 
     path, model, tokenizer = made
     source: Any = path

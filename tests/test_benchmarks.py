@@ -168,6 +168,62 @@ def real_model(data: dict[str, Any], tmp: Path) -> None:
     assert rows[0]["episodes"]["first"]["turns"][0]["role"] == "assistant"
 
 
+def real_model_speed(data: dict[str, Any], tmp: Path) -> None:
+    assert data["model"] == "tiny (--smoke)"
+    assert data["repeats"] == 1
+    sections = ["sampler", "update", "lora", "bf16", "profile", "scaling"]
+    for name in sections:
+        assert "error" not in data[name], (name, data[name].get("error"))
+        c = data[name]["conditions"]
+        assert len(c["load_before"]) == len(c["load_after"]) == 3
+        assert c["torch_threads"] >= 1
+        assert c["cpu"]
+        assert isinstance(c["cpu_flags"], list)
+    s = data["sampler"]
+    assert s["requests"] == 16
+    assert {"hf-generate-16", "hf-generate-1", "turnrl-torch"} <= set(s["samplers"])
+    for r in s["samplers"].values():  # every sampler does the whole work
+        assert r["tokens"] == s["requests"] * s["new_tokens"]
+        assert r["tokens_per_s"] > 0
+    assert s["ratios"]["torch_over_hf16"]["median"] > 0
+    if "skipped" in s["vllm"]:  # .venv: no vLLM, its parts recorded as skipped
+        assert not {"raw-vllm", "turnrl-vllm"} & set(s["samplers"])
+        assert "skipped" in s["sync"]
+        assert s["targets"]["vllm_over_raw_at_least_1"] is None
+    else:  # .venv-vllm: raw vLLM and turnrl's on one engine, the sweep and the sync
+        assert {"raw-vllm", "raw-vllm-ids", "turnrl-vllm"} <= set(s["samplers"])
+        assert all("turnrl-vllm" in r["samplers"] for r in s["concurrency"]["rows"])
+        assert s["sync"]["load_weights_s"] > 0
+    assert [r["requests"] for r in s["concurrency"]["rows"]] == [4, 8]
+    u = data["update"]
+    assert set(u["steps"]) == {
+        "turnrl", "bare", "turnrl-reference-forward", "bare-reference-forward"
+    }  # fmt: skip
+    assert u["batch"]["samples"] == 16
+    assert 0 < u["batch"]["trained_tokens"] < u["batch"]["tokens"]
+    assert u["ratio_turnrl_over_bare"]["median"] > 0
+    memories = [*u["memory"].values(), *data["lora"]["memory"].values()]
+    assert len(memories) == 6
+    for m in memories:
+        assert "error" not in m, m
+        assert m["peak_rss_mb"] >= m["baseline_rss_mb"]
+        assert m["baseline_rss_mb"] > 0
+        assert m["vocabulary_tensors_after_step"]["probe_found"]  # the scan sees such tensors
+    lora = data["lora"]
+    assert 0 < lora["trainable_parameters"] < lora["parameters"]
+    assert lora["memory"]["lora"]["trainable_parameters"] == lora["trainable_parameters"]
+    if "skipped" not in data["bf16"]:
+        assert data["bf16"]["gap"]["float32"]["max_abs_gap"] < 1e-3
+    for part in ("sampler", "update"):
+        p = data["profile"][part]
+        assert 1 <= len(p["top"]) <= 15
+        assert sum(p["buckets"].values()) == pytest.approx(1.0)
+    rows = data["scaling"]["rows"]
+    assert len(rows) == 2
+    assert all(r["parameters"] > 0 for r in rows)
+    assert all(r["update_step_s"] > 0 for r in rows)
+
+
 def reliability(data: dict[str, Any], tmp: Path) -> None:
     killed = data["kills"]
     assert [k["attempt"] for k in killed["kills"]] == [0, 1]
@@ -341,6 +397,7 @@ CHECKS: dict[str, Check] = {
     "parity_2026": parity_2026,
     "presets": presets,
     "real_model": real_model,
+    "real_model_speed": real_model_speed,
     "reliability": reliability,
     "rollout": rollout,
     "scale": scale,

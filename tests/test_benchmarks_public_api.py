@@ -5,10 +5,10 @@ public names. Public means a name of ``turnrl.__all__`` (``from turnrl import X`
 A module inside a package (``turnrl.trainer.loop``, ``turnrl.rollout.chat``), a package
 the reference leaves out (``turnrl.serving``, ``turnrl.report``) or a name starting with
 ``_`` is internal. Every benchmarks/*.py is parsed with ``ast`` (no
-import), and a failure names the file, the line and the import.
-
-``INTERNAL`` lists the imports of internals that benchmarks still make; it may only
-shrink: an entry no benchmark needs any more fails too."""
+import), and a failure names the file, the line and the import. There is no exception list:
+the component benchmarks that once reached inside the trainer now build what they time
+from the public building blocks (``turnrl.trainer``, ``turnrl.distributed``,
+``turnrl.models``) or through ``turnrl.train``'s hooks."""
 
 from __future__ import annotations
 
@@ -19,20 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 SRC = ROOT / "src" / "turnrl"
-
-INTERNAL: dict[str, set[str]] = {
-    "scale.py": {"turnrl.models.lora.add_lora"},
-}
-"""The one import of an internal a benchmark still makes: scale's LoRA policy for the ranks
-section (``add_lora``), on its way to the public ``turnrl.models.add_lora``. The others
-went public or away with issue 55: bf16_gradients runs ``turnrl.train`` with its
-``make_learner`` hook (``turnrl.trainer.LearnerSpec``, ``in_process_learner``); copying
-takes its names from search_qa families' ``world`` and its made-up words from
-``turnrl.models.made_up_word``; learner breaks the shared prefix in its data and counts
-the packed cells with a hook on the model; scale builds the weight-sync paths from
-``turnrl.distributed``'s ``RayRolloutWorkers``, ``GroupLearner`` and ``with_adapters`` and
-``turnrl.trainer``'s ``WorkersSpec`` and ``resolved``, and finds the decoder layers by
-transformers' class. Every other benchmark imports public names only."""
 
 
 def exported(module: Path) -> set[str]:
@@ -104,16 +90,10 @@ def test_the_rule_reads_the_public_names() -> None:
 
 def test_benchmarks_import_only_public_names() -> None:
     names = public()
-    wrong, still_needed = [], {file: set() for file in INTERNAL}
-    for path in sorted(BENCHMARKS.glob("*.py")):
-        for line, name in turnrl_imports(path):
-            if is_public(name, names):
-                continue
-            if name in INTERNAL.get(path.name, set()):
-                still_needed[path.name].add(name)
-                continue
-            wrong.append(f"benchmarks/{path.name}:{line} imports {name}, which is not public")
+    wrong = [
+        f"benchmarks/{path.name}:{line} imports {name}, which is not public"
+        for path in sorted(BENCHMARKS.glob("*.py"))
+        for line, name in turnrl_imports(path)
+        if not is_public(name, names)
+    ]
     assert not wrong, "\n".join(wrong)
-    stale = [f"{file}: {sorted(INTERNAL[file] - used)}" for file, used in still_needed.items()
-             if INTERNAL[file] - used]  # fmt: skip
-    assert not stale, "INTERNAL lists imports no benchmark makes any more: " + "; ".join(stale)
