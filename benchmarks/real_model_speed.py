@@ -315,8 +315,7 @@ def load_subject(args: argparse.Namespace) -> Subject:
     else:
         path, label = Path(resolve_model(args.model)), args.model
     tokenizer = load_tokenizer(path)
-    # vLLM 0.32's CPU start-up walks every loaded module and fails on one of numba's, which
-    # search_qa's index (bm25s) imports: the engine starts before any episode runs.
+    # the engine first, while the process holds nothing else large
     engine = [vllm_engine(path, tokenizer)] if "sampler" in args.sections else []
     model = load_model(path)
     prompts = first_prompts(model, tokenizer, args.prompts)

@@ -352,6 +352,22 @@ def test_an_engine_leaves_torch_s_threads_as_they_were(vllm_model_dir: Path) -> 
         torch.set_num_threads(before)
 
 
+def test_an_engine_starts_after_a_search_index_has_loaded_numba(vllm_model_dir: Path) -> None:
+    """bm25s (the search tool's index) imports numba, whose llvmlite ``ffi.lib`` answers
+    ``__dict__`` with a function wrapper; vLLM 0.32's CPU start-up calls ``vars(x).get`` on
+    every module attribute and failed on it, so no engine started in a process that had
+    built a search index (any search_qa run with ``rollout.backend=vllm``). The backend hides
+    such attributes while the engine starts and puts them back."""
+    from turnrl.tools import SearchIndex
+
+    SearchIndex(["alpha beta", "beta gamma"])
+    ffi = pytest.importorskip("llvmlite.binding.ffi")  # loaded with numba, where installed
+    lib = ffi.lib
+    backend = VLLMBackend(vllm_model_dir, load_tokenizer(vllm_model_dir), max_model_len=256)
+    assert ffi.lib is lib  # put back
+    assert backend.llm is not None
+
+
 # A training run makes and shuts down its own engine, which tears down vLLM's process-wide
 # parallel state: the module's `engine` cannot sample after it, so the tests that use it
 # come first.

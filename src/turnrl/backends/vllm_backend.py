@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,6 +66,34 @@ def engine_environment(on_gpu: bool) -> dict[str, str]:
     elif importlib.util.find_spec("flashinfer") is None:
         environment["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return environment
+
+
+@contextlib.contextmanager
+def _namespaces_vllm_can_scan() -> Iterator[None]:
+    """Hide, while an engine starts, the module attributes whose ``vars()`` is not a
+    mapping. vLLM 0.32's CPU worker rebinds its Triton kernels by walking every loaded
+    module's namespace and calling ``vars(value).get``; llvmlite's ``ffi.lib`` (loaded with
+    numba, which ``bm25s`` imports for turnrl's search tool) answers ``__dict__`` with a
+    function wrapper, so the engine failed to start in any process that had built a search
+    index first (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``).
+    The attributes are put back as they were when the engine has started."""
+    hidden: list[tuple[dict[str, Any], str, Any]] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            try:
+                proxy = hasattr(value, "__dict__") and not isinstance(vars(value), Mapping)
+            except Exception:  # an object vLLM's own scan would trip on too
+                proxy = True
+            if proxy:
+                hidden.append((namespace, name, namespace.pop(name)))
+    try:
+        yield
+    finally:
+        for namespace, name, value in hidden:
+            namespace[name] = value
 
 
 def import_vllm() -> Any:
@@ -161,7 +189,8 @@ class VLLMBackend:
         # numbers would depend on what ran before it. Both are put back.
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         try:
-            self.llm = vllm.LLM(**options)
+            with _namespaces_vllm_can_scan():
+                self.llm = vllm.LLM(**options)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
