@@ -280,7 +280,9 @@ def test_a_resumed_monitor_continues_the_same_alarms() -> None:
 
 
 def test_monitor_config_errors_are_clear() -> None:
-    with pytest.raises(ConfigError, match=r"unknown config key 'monitor\.actoin'.*'monitor\.action'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'monitor\.actoin'.*'monitor\.action'"
+    ):
         load_config(None, ["monitor.actoin=stop"])
     with pytest.raises(
         ConfigError, match=r"monitor.action must be one of \['none', 'stop', 'filter'\]"
