@@ -7,6 +7,7 @@ here; implementations live in their own layers and tests use fakes of the same s
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -199,5 +200,5 @@ async def close_env(env: Env) -> None:
     close = getattr(env, "close", None)
     if close is not None:
         result = close()
-        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+        if inspect.isawaitable(result):
             await result
