@@ -33,8 +33,11 @@ it, the CPU model and its vector flags (/proc/cpuinfo), torch's threads and the 
   (right-padded batch built before the clock starts, full forward, ``log_softmax`` and
   ``gather`` of the trained tokens, ``-(adv * logp)`` masked mean, backward, ``AdamW``
   with the same lr and weight decay, ``zero_grad``); turnrl also clips the gradient norm
-  and logs the entropy and the sampler gap, which the bare step does not. Target: turnrl
-  at most 1.2x bare. The no-grad forward a KL reference costs, both ways (turnrl's:
+  and logs the entropy and the sampler gap, which the bare step does not. Two bare steps:
+  ``bare`` runs the output layer on every position (a model's plain ``forward``),
+  ``bare-sliced`` only on the trained positions (the decoder's hidden states picked
+  first), the floor a careful hand-written step reaches. Target: turnrl at most 1.2x
+  bare-sliced. The no-grad forward a KL reference costs, both ways (turnrl's:
   ``Learner.sampler_gap``, the scoring pass its reference runs). Memory: each variant in a
   fresh subprocess (this script, ``--memory-child``): the model loaded, one warm-up step
   (AdamW state made), gradients dropped, freed memory handed back (``malloc_trim``), the
@@ -469,11 +472,15 @@ class BareStep:
     """The plain PyTorch GRPO step the learner is measured against: the batch right-padded
     once, up front; then forward over every position, ``log_softmax`` over the vocabulary
     and ``gather`` of each next token, loss ``-(advantage * logp)`` averaged over the
-    trained tokens, backward, ``AdamW`` step, ``zero_grad``."""
+    trained tokens, backward, ``AdamW`` step, ``zero_grad``. ``sliced``: the output layer
+    runs on the trained positions only (the decoder's hidden states picked first), the
+    floor a careful hand-written step reaches; otherwise on every position, as a
+    model's plain ``forward`` does."""
 
     def __init__(
         self, model: Any, samples: Sequence[Sample], advantages: Sequence[float],
         pad_id: int, lr: float, weight_decay: float, temperature: float,
+        sliced: bool = False,
     ) -> None:  # fmt: skip
         width = max(len(s.input_ids) for s in samples)
         self.ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -484,19 +491,27 @@ class BareStep:
             self.attention[i, : len(s.input_ids)] = 1
             self.trained[i, : len(s.input_ids)] = torch.tensor(s.loss_mask, dtype=torch.bool)
         self.advantages = torch.tensor(advantages)[:, None]
-        self.model, self.temperature = model, temperature
+        self.model, self.temperature, self.sliced = model, temperature, sliced
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def logprobs(self) -> torch.Tensor:
-        """log pi of each next token, [B, T - 1]."""
-        logits = self.model(input_ids=self.ids, attention_mask=self.attention, use_cache=False)
-        logp = torch.log_softmax(logits.logits[:, :-1].float() / self.temperature, dim=-1)
-        return logp.gather(-1, self.ids[:, 1:, None]).squeeze(-1)
+        """log pi of each trained token (in row-major order)."""
+        mask = self.trained[:, 1:]
+        if self.sliced:
+            decoder = self.model.get_decoder()
+            hidden = decoder(input_ids=self.ids, attention_mask=self.attention, use_cache=False)
+            picked = hidden.last_hidden_state[:, :-1][mask]
+            logits = self.model.get_output_embeddings()(picked)
+            logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            return logp.gather(-1, self.ids[:, 1:][mask][:, None]).squeeze(-1)
+        out = self.model(input_ids=self.ids, attention_mask=self.attention, use_cache=False)
+        logp = torch.log_softmax(out.logits[:, :-1].float() / self.temperature, dim=-1)
+        return logp.gather(-1, self.ids[:, 1:, None]).squeeze(-1)[mask]
 
     def step(self) -> int:
         self.model.train()
-        mask = self.trained[:, 1:]
-        loss = -(self.advantages * self.logprobs())[mask].mean()
+        advantages = self.advantages.expand_as(self.trained)[:, 1:][self.trained[:, 1:]]
+        loss = -(advantages * self.logprobs()).mean()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -635,8 +650,11 @@ def update_timings(
     reference forward both ways, in turn."""
     config = algorithm(len(samples))
     learn = learner(copy.deepcopy(subject.model), samples, args.temperature)
-    bare = BareStep(copy.deepcopy(subject.model), samples, advantages, subject.pad_id,
-                    config.lr, config.weight_decay, args.temperature)  # fmt: skip
+    bare, sliced = (
+        BareStep(copy.deepcopy(subject.model), samples, advantages, subject.pad_id,
+                 config.lr, config.weight_decay, args.temperature, sliced=cut)
+        for cut in (False, True)
+    )  # fmt: skip
     tokens = batch_tokens(samples)["tokens"]
 
     def score() -> int:
@@ -644,7 +662,9 @@ def update_timings(
         return tokens
 
     variants = {"turnrl": stepper(learn, samples, advantages, subject.pad_id), "bare": bare.step,
-                "turnrl-reference-forward": score, "bare-reference-forward": bare.score}  # fmt: skip
+                "bare-sliced": sliced.step, "turnrl-reference-forward": score,
+                "bare-reference-forward": bare.score,
+                "bare-sliced-reference-forward": sliced.score}  # fmt: skip
     return take_turns(variants, args.repeats)
 
 
@@ -656,8 +676,9 @@ def update_section(subject: Subject, args: argparse.Namespace) -> dict[str, Any]
     runs = update_timings(subject, samples, advantages, args)
     gc.collect()
     memory = {v: measure_memory(subject, samples, advantages, v, args) for v in
-              ("turnrl", "bare", "turnrl-reference-forward", "bare-reference-forward")}  # fmt: skip
-    step_ratio = ratio(runs, "turnrl", "bare", per_token=False)
+              ("turnrl", "bare", "bare-sliced", "turnrl-reference-forward",
+               "bare-reference-forward", "bare-sliced-reference-forward")}  # fmt: skip
+    step_ratio = ratio(runs, "turnrl", "bare-sliced", per_token=False)
     vocab_bytes = 4 * subject.vocab
     return {
         "batch": {"samples": len(samples), "groups": args.prompts, "group_size": args.samples,
@@ -669,7 +690,10 @@ def update_section(subject: Subject, args: argparse.Namespace) -> dict[str, Any]
                    "layout": config.micro_batch.layout, "temperature": args.temperature,
                    "advantage": config.advantage, "loss_reduction": config.loss_reduction},
         "steps": runs,
-        "ratio_turnrl_over_bare": step_ratio,
+        "ratio_turnrl_over_bare_sliced": step_ratio,
+        "ratio_turnrl_over_bare": ratio(runs, "turnrl", "bare", per_token=False),
+        "ratio_reference_turnrl_over_bare_sliced": ratio(
+            runs, "turnrl-reference-forward", "bare-sliced-reference-forward", per_token=False),
         "ratio_reference_turnrl_over_bare": ratio(
             runs, "turnrl-reference-forward", "bare-reference-forward", per_token=False),
         "target_at_most_1.2": step_ratio["median"] <= 1.2 if step_ratio else None,
@@ -803,7 +827,7 @@ def memory_child(spec_path: Path) -> None:
     else:
         config = algorithm(len(samples))
         bare = BareStep(model, samples, advantages, pad, config.lr, config.weight_decay,
-                        temperature)  # fmt: skip
+                        temperature, sliced=variant.startswith("bare-sliced"))  # fmt: skip
         step = bare.score if variant.endswith("reference-forward") else bare.step
         drop_gradients = lambda: bare.optimizer.zero_grad(set_to_none=True)  # noqa: E731
     if variant.endswith("reference-forward"):
@@ -1131,8 +1155,11 @@ def update_lines(r: dict[str, Any]) -> list[str]:
         f"{b['padded_cells']} padded cells; lr {c['lr']}, KL {c['kl_coef']}, one micro-batch "
         f"of {c['micro_batch_size']} (layout {c['layout']}).",
         "", *runs_table(r["steps"], "tokens/s"), "",
-        f"turnrl / bare step: **{fmt_ratio(r['ratio_turnrl_over_bare'])}** (target at most "
-        f"1.2x); reference forward, turnrl / bare: "
+        f"turnrl / bare step with the output layer on the trained positions only (bare-sliced):"
+        f" **{fmt_ratio(r['ratio_turnrl_over_bare_sliced'])}** (target at most 1.2x); "
+        f"turnrl / bare step with the output layer everywhere: "
+        f"{fmt_ratio(r['ratio_turnrl_over_bare'])}. Reference forward, turnrl / bare-sliced: "
+        f"{fmt_ratio(r['ratio_reference_turnrl_over_bare_sliced'])}; turnrl / bare: "
         f"{fmt_ratio(r['ratio_reference_turnrl_over_bare'])}.",
         "", "Memory (each variant in a fresh process; growth over model + optimizer state):",
         "", *memory_lines(r["memory"]), "",
