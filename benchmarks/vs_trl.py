@@ -129,26 +129,31 @@ def ensure_trl_venv() -> Path:
     return python
 
 
-def checkpoints(work: Path, extra: Sequence[str] = ()) -> dict[str, Path]:
-    """The random tiny model (single) and the learning proof's warm-up checkpoint (multi:
-    its recipe's echo tuning and warm-up); ``extra``: overrides of both (--smoke's tiny run)."""
+def checkpoints(work: Path, cases: set[str], extra: Sequence[str] = ()) -> dict[str, Path]:
+    """Of the random tiny model (single) and the learning proof's warm-up checkpoint (multi:
+    its recipe's echo tuning and warm-up), those ``cases`` name, made where missing;
+    ``extra``: overrides of both (--smoke's tiny run)."""
     from presets import warmup_checkpoint
     from turnrl import load_config, train
 
-    random_dir = work / "random-model"
-    start = random_dir / "start_model"
-    if not (start / "config.json").is_file():
-        shutil.rmtree(random_dir, ignore_errors=True)
-        overrides = [
-            *extra,
-            "steps=0",
-            "model.tiny.echo_steps=0",
-            "warmup.steps=0",
-            "eval.num_tasks=1",
-        ]
-        train(load_config("learning_proof", overrides), out=random_dir, progress=False)
-    echo_steps = load_config("learning_proof", list(extra)).model.tiny.echo_steps
-    return {"single": start, "multi": warmup_checkpoint(work, 0, echo_steps, extra)}
+    made: dict[str, Path] = {}
+    if "single" in cases:
+        random_dir = work / "random-model"
+        made["single"] = random_dir / "start_model"
+        if not (made["single"] / "config.json").is_file():
+            shutil.rmtree(random_dir, ignore_errors=True)
+            overrides = [
+                *extra,
+                "steps=0",
+                "model.tiny.echo_steps=0",
+                "warmup.steps=0",
+                "eval.num_tasks=1",
+            ]
+            train(load_config("learning_proof", overrides), out=random_dir, progress=False)
+    if "multi" in cases:
+        echo_steps = load_config("learning_proof", list(extra)).model.tiny.echo_steps
+        made["multi"] = warmup_checkpoint(work, 0, echo_steps, extra)
+    return made
 
 
 def real_checkpoint(work: Path, base: str | Path, warmup_steps: int, threads: int) -> Path:
@@ -182,6 +187,8 @@ def real_checkpoint(work: Path, base: str | Path, warmup_steps: int, threads: in
     ]  # fmt: skip
     train(load_config("quickstart", overrides), out=run_dir / "run", progress=False)
     (run_dir / "run" / "start_model").rename(start)
+    # the run's metrics stay (the warm-up's losses); its step-0 checkpoint is the same model
+    shutil.rmtree(run_dir / "run" / "checkpoints")
     shutil.rmtree(templated)
     return start
 
@@ -383,7 +390,8 @@ def main() -> None:
     work = args.runs_dir / "vs_trl"
     work.mkdir(parents=True, exist_ok=True)
     trl_python = str(ensure_trl_venv())
-    models: dict[str, Path] = checkpoints(work, TINY_RUN if args.smoke else ())
+    tiny = set(args.cases) | ({"single"} if args.smoke and "real" in args.cases else set())
+    models = checkpoints(work, tiny, TINY_RUN if args.smoke else ())
     if "real" in args.cases:
         from turnrl.models import resolve_model
 
@@ -489,7 +497,10 @@ def write(args: argparse.Namespace, results: dict[str, Any]) -> None:
         "",
         "Floor: the forward passes any KV-cached engine must run for the batch shape turnrl "
         "sampled (prompt prefill, one decode step per token, each observation's prefill) "
-        "plus one forward+backward over the final sequences, with plain transformers.",
+        "plus one forward+backward over the final sequences, with plain transformers. It "
+        "runs every row's whole prompt and the output layer at every position: turnrl runs "
+        "a batch's common prefix (the system turn with the tool list) once, in sampling "
+        "and in the update, and the output layer only where it trains, so it can go below.",
         "Tokens/episode counts sampled tokens only, on both sides; TRL's completion limit "
         "(96 tokens with tools) also spends the tool answers' tokens, turnrl's counts "
         "sampled tokens (48 a turn).",
