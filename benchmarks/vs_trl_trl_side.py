@@ -68,7 +68,7 @@ def main(spec_path: str, out_path: str) -> None:
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    multi = spec["case"] == "multi"
+    tools = spec["tools"]  # multi and real: the lookup tool, several turns
     with open(spec["tasks"]) as f:
         rows = [json.loads(line) for line in f]
     data = Dataset.from_list(
@@ -77,9 +77,10 @@ def main(spec_path: str, out_path: str) -> None:
             for r in rows
         ]
     )
-    if multi:
-        # The tiny model writes Qwen's <tool_call>{json}</tool_call>; TRL parses it with
-        # its Qwen response template (it cannot recognise the tiny model's template).
+    if tools:
+        # The tiny model (and the real case's SmolLM2, given the tiny model's ChatML tool
+        # template) writes Qwen's <tool_call>{json}</tool_call>; TRL parses it with its
+        # Qwen response template (it cannot recognise the template as any it knows).
         tokenizer.response_template = qwen3_template
     steps = spec["warmup_steps"] + spec["steps"]
     batch = spec["prompts_per_step"] * spec["group_size"]
@@ -90,12 +91,12 @@ def main(spec_path: str, out_path: str) -> None:
         num_generations=spec["group_size"],
         max_completion_length=spec["max_completion_length"],
         max_tool_calling_iterations=spec["max_tool_calls"],
-        temperature=1.0,
+        temperature=spec["temperature"],
         top_p=1.0,
         top_k=0,
         beta=0.0,
         num_iterations=1,
-        learning_rate=1e-5,
+        learning_rate=spec["lr"] or 1e-5,
         max_steps=steps,
         logging_steps=1,
         save_strategy="no",
@@ -116,7 +117,7 @@ def main(spec_path: str, out_path: str) -> None:
         args=args,
         train_dataset=data,
         processing_class=tokenizer,
-        environment_factory=Lookup if multi else None,
+        environment_factory=Lookup if tools else None,
         callbacks=[timer],
     )
     gen_times: list[float] = []

@@ -277,7 +277,7 @@ def tools(data: dict[str, Any], tmp: Path) -> None:
 
 
 def vs_trl(data: dict[str, Any], tmp: Path) -> None:
-    assert set(data["cases"]) == {"single", "multi"}
+    assert set(data["cases"]) == {"single", "multi", "real"}
     for name, case in data["cases"].items():
         assert case["floor_s"] > 0
         for side in ("trl", "turnrl"):
@@ -291,6 +291,17 @@ def vs_trl(data: dict[str, Any], tmp: Path) -> None:
         )
     assert data["cases"]["single"]["turnrl"]["tool_calls_mean"] == 0
     assert (tmp / "runs" / "vs_trl" / "warmup-seed0-echo2" / "start_model").is_dir()
+    # --smoke runs the real case's path on the random tiny model: templated, warmed up
+    real = data["cases"]["real"]
+    assert real["temperature"] == 0.7
+    assert (
+        Path(real["model"]) == tmp / "runs" / "vs_trl" / "real-warmup-start_model-2" / "start_model"
+    )
+    assert "<tool_call>" in (Path(real["model"]) / "chat_template.jinja").read_text()
+    for case in data["cases"].values():
+        assert len(case["load_before"]) == len(case["load_after"]) == 3
+    assert "commit" in data
+    assert data["cpu"]
 
 
 def gpu(data: dict[str, Any], tmp: Path) -> None:
