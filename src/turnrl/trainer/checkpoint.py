@@ -315,11 +315,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def policy_checkpoint(source: Path) -> Path | None:
     """The checkpoint a directory names: ``source`` itself when it is one (it holds
-    ``model/``; checked against its manifest), else the newest whole checkpoint of the run
+    ``model/``, a manifest or a trainer state; checked against its manifest), else the newest whole checkpoint of the run
     directory ``source`` (``latest_checkpoint``); None when it is neither (a plain model
     directory, or a run without checkpoints). Its policy is ``checkpoint / "model"``."""
     source = Path(source)
-    if (source / "model").is_dir():
+    if any((source / name).exists() for name in ("model", MANIFEST, "state.json")):
         problems = checkpoint_problems(source) if (source / MANIFEST).is_file() else []
         if problems:
             raise ConfigError(f"{source} is damaged: {'; '.join(problems)}")

@@ -318,12 +318,10 @@ def distill(
     if not teacher.path:
         return values
     t0 = time.perf_counter()
-    kept = [
-        (g, i, traj)
-        for g, group in enumerate(groups)
-        for i, traj in enumerate(group)
-        if id(traj) in _trained(parts, group)
-    ]
+    kept = []
+    for g, group in enumerate(groups):
+        trained = _trained(parts, group)
+        kept += [(g, i, traj) for i, traj in enumerate(group) if id(traj) in trained]
     samples = [s for _, _, traj in kept for s in traj.samples()]
     scored = iter(parts.learner.teacher_logprobs(samples, parts.backend.pad_id) if samples else [])
     out = [list(member) for member in values]
