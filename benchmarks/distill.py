@@ -23,6 +23,7 @@ evaluation's standard error near 0.85 is about 0.03); it stops there.
     python benchmarks/distill.py --seeds 0 --arms distill --max-steps 60
     python benchmarks/distill.py --teacher runs/quickstart/checkpoints/step_000110 \\
         --teacher-success 0.84                            # a teacher trained before
+    python benchmarks/distill.py --resume --max-steps 240  # the same runs, continued
     python benchmarks/distill.py --smoke               # tiny: 2 steps, seconds
 
 Writes benchmarks/results/distill.json and .md; run directories go to benchmarks/runs
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import platform
 import shutil
@@ -135,12 +137,16 @@ def run_arm(
     runs: Path,
     threads: int,
     smoke: bool,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """One arm from seed ``seed``'s warm-up checkpoint until an evaluation reaches
-    ``target`` (the run ends there) or ``max_steps``."""
+    ``target`` (the run ends there) or ``max_steps``; with ``resume``, an earlier run of it
+    (a smaller ``max_steps``) continues from its last checkpoint."""
     torch.set_num_threads(threads)
     run_dir = runs / f"distill-{arm.replace('+', '-')}-seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    resume = resume and (run_dir / "checkpoints").is_dir()
+    if not resume:
+        shutil.rmtree(run_dir, ignore_errors=True)
     teach = [] if arm == "rl" else [f"algorithm.teacher.path={teacher['checkpoint']}",
                                      f"algorithm.teacher.coef={coef}"]  # fmt: skip
     overrides = [*probe(eval_every, threads, smoke), f"seed={seed}", f"model.path={start}",
@@ -154,7 +160,17 @@ def run_arm(
 
     t0 = time.perf_counter()
     with contextlib.suppress(Reached):
-        train(load_config(RECIPE, overrides), out=run_dir, progress=False, on_row=on_row)
+        config = load_config(RECIPE, overrides)
+        train(config, out=run_dir, resume=resume, progress=False, on_row=on_row)
+    if resume:  # the whole run's rows, its RL time counted across the resume
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        offset, last = 0.0, 0.0
+        for row in rows:
+            if "perf/elapsed_s" in row:
+                if row["perf/elapsed_s"] + offset < last:
+                    offset = last
+                row["perf/elapsed_s"] += offset
+                last = row["perf/elapsed_s"]
     curve = eval_curve(rows)
     reached = next(((s, t) for s, t, v in curve if v >= target), None)
     kl = [r["distill/reverse_kl_mean"] for r in rows if "distill/reverse_kl_mean" in r]
@@ -181,9 +197,9 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 def table(results: list[dict[str, Any]], max_steps: int) -> str:
     lines = [
-        "| student seed | arm | start | best | steps to target | minutes to target "
-        "| s per step | reverse KL first -> last |",
-        "|---|---|---|---|---|---|---|---|",
+        "| student seed | arm | start | best | final (step) | steps to target "
+        "| minutes to target | s per step | reverse KL first -> last |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: (r["seed"], list(ARMS).index(r["arm"]))):
         steps = r["step_reaching_target"]
@@ -192,6 +208,7 @@ def table(results: list[dict[str, Any]], max_steps: int) -> str:
         )  # fmt: skip
         lines.append(
             f"| {r['seed']} | {r['arm']} | {r['start_success']:.2f} | {r['best_success']:.2f} "
+            f"| {r['curve'][-1][2]:.2f} ({r['steps']}) "
             f"| {steps if steps is not None else f'not within {max_steps}'} "
             f"| {fmt(r['minutes_to_target'])} | {r['seconds_per_step']} | {kl} |"
         )
@@ -217,7 +234,13 @@ def save(out: Path, meta: dict[str, Any], results: list[dict[str, Any]]) -> None
         f"`distill`: pure on-policy distillation, coef {meta['coef']} (the advantage of each "
         "sampled token is minus its reverse KL to the teacher; rewards not trained on); "
         "`rl+distill`: both. Reverse KL: `distill/reverse_kl_mean` (nats per sampled "
-        f"token) at the first and last step. {meta['machine']}; torch {meta['torch']}.",
+        f"token) at the first and last step. {meta['machine']}; torch {meta['torch']}."
+        + (
+            " Runs continued (`--resume`) from their checkpoints of an earlier, shorter "
+            "budget; minutes count RL time across both."
+            if meta.get("resumed")
+            else ""
+        ),
         "",
         table(results, meta["max_steps"]),
         "",
@@ -253,17 +276,32 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=150, help="each arm's step budget")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue each arm's earlier run (in --runs-dir) up to --max-steps, with the "
+        "teacher of --out's results",
+    )  # fmt: skip
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite the .md from the .json, no training"
+    )
     smoke = {"seeds": [0, 1], "arms": list(ARMS), "teacher_steps": 2, "teacher_bar": 0.0,
              "max_steps": 2, "eval_every": 1, "tolerance": -1.5}  # fmt: skip
     # --smoke: a target above 1 (the teacher's success + 1.5), never reached: every arm
     # runs its two steps
     args = parse_args(parser, "distill", smoke, runs=True)
+    if args.render:
+        old = json.loads(args.out.with_suffix(".json").read_text())
+        save(args.out, {k: v for k, v in old.items() if k != "runs"}, old["runs"])
+        return
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     machine = (
         f"{platform.machine()}, {multiprocessing.cpu_count()} cores, one run at a time, "
         f"{args.threads} torch thread(s)"
     )
-    if args.teacher:
+    earlier = args.out.with_suffix(".json")
+    if args.resume and earlier.is_file():  # the teacher the runs being continued learnt from
+        teacher = json.loads(earlier.read_text())["teacher"]
+    elif args.teacher:
         teacher = {
             "seed": None, "bar": args.teacher_bar, "reached_bar": True, "step": None,
             "success": args.teacher_success, "checkpoint": args.teacher, "curve": [],
@@ -286,10 +324,11 @@ def main() -> None:
         "eval_every": args.eval_every,
         "eval_tasks": load_config(RECIPE, probe(1, 1, args.smoke)).eval.num_tasks,
         "smoke": args.smoke,
+        "resumed": args.resume,
     }
     calls = [
         (arm, seed, starts[seed], teacher, args.coef, target, args.max_steps, args.eval_every,
-         args.runs_dir, args.threads, args.smoke)
+         args.runs_dir, args.threads, args.smoke, args.resume)
         for seed in args.seeds for arm in args.arms
     ]  # fmt: skip
     done: list[dict[str, Any]] = []
