@@ -209,7 +209,7 @@ def table(results: list[dict[str, Any]], max_steps: int) -> str:
         lines.append(
             f"| {r['seed']} | {r['arm']} | {r['start_success']:.2f} | {r['best_success']:.2f} "
             f"| {r['curve'][-1][2]:.2f} ({r['steps']}) "
-            f"| {steps if steps is not None else f'not within {max_steps}'} "
+            f"| {steps if steps is not None else 'not within ' + str(r['steps'])} "
             f"| {fmt(r['minutes_to_target'])} | {r['seconds_per_step']} | {kl} |"
         )
     return "\n".join(lines)
