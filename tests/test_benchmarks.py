@@ -320,6 +320,24 @@ def gpu(data: dict[str, Any], tmp: Path) -> None:
     assert [s for s, _ in p["curve"]] == [0, 2]
 
 
+def distill(data: dict[str, Any], tmp: Path) -> None:
+    teacher = data["teacher"]
+    assert teacher["seed"] == 2
+    assert Path(teacher["checkpoint"]).is_relative_to(tmp)
+    assert (Path(teacher["checkpoint"]) / "model" / "config.json").is_file()
+    assert data["target"] > 1  # --smoke: never reached, so every arm runs its steps
+    rows = data["runs"]
+    assert [(r["seed"], r["arm"]) for r in rows] == [
+        (seed, arm) for seed in (0, 1) for arm in ("rl", "distill", "rl+distill")
+    ]
+    for r in rows:
+        assert r["steps"] == 2
+        curve_ok(r["curve"], 2)
+        assert r["step_reaching_target"] is None
+        assert (r["reverse_kl_first"] is None) == (r["arm"] == "rl")
+        assert (tmp / "runs" / f"distill-student-seed{r['seed']}" / "start_model").is_dir()
+
+
 def endpoint(data: dict[str, Any], tmp: Path) -> None:
     o = data["overhead"]
     for name in ("in_process", "endpoint", "endpoint_agent_processes"):
@@ -399,6 +417,7 @@ def parity_2026(data: dict[str, Any], tmp: Path) -> None:
 CHECKS: dict[str, Check] = {
     "bf16_gradients": bf16_gradients,
     "copying": copying,
+    "distill": distill,
     "endpoint": endpoint,
     "env_learning": env_learning,
     "envs": envs,

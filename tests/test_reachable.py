@@ -37,6 +37,8 @@ CONFIGS = [  # together they name every choice of [algorithm] once
      "algorithm.off_policy.correction=geometric_mask"],
     ["algorithm.advantage=gae", "algorithm.gae.level=turn", "algorithm.entropy_coef=0.01",
      "algorithm.policy_loss=cispo", "algorithm.off_policy.correction=token_mis"],
+    # on-policy distillation: the teacher is the first run's ({runs}: this test's directory)
+    ["algorithm.teacher.path={runs}/0", "algorithm.teacher.alone=true"],
 ]  # fmt: skip
 
 HELPERS = {  # exported for users and tests; not a choice the trainer makes
@@ -68,6 +70,7 @@ def test_every_exported_estimator_and_loss_runs_under_some_configuration(tmp_pat
             ran.add(frame.f_code)
 
     for i, options in enumerate(CONFIGS):
+        options = [o.format(runs=tmp_path) for o in options]
         config = load_config("quickstart", [*SMALL_RUN, "steps=1", *options])
         sys.setprofile(profile)
         threading.setprofile(profile)  # the rollout's program runs on the engine's helper thread

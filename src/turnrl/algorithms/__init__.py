@@ -8,6 +8,7 @@
   entropy;
 - ``reductions``: masked sums and means, and the four loss-aggregation modes;
 - ``kl``: the k1, k2, k3 and k3+ estimators of KL to a reference policy;
+- ``distill``: on-policy distillation's per-token advantage (reverse KL to a teacher);
 - ``selection``: DAPO dynamic sampling and overlong shaping, StarPO-S variance filter;
 - ``off_policy``: truncated and masked importance sampling (token, sequence, IcePop),
   sequence masking (product or geometric-mean ratio), decoupled PPO, lag.
@@ -25,6 +26,7 @@ from turnrl.algorithms.advantages import (
     rloo_advantages,
     zero_variance_groups,
 )
+from turnrl.algorithms.distill import distillation_advantages
 from turnrl.algorithms.gae import AdvantagesAndReturns, gae_advantages, turn_level_gae_advantages
 from turnrl.algorithms.gigpo import (
     discounted_step_returns,
@@ -90,6 +92,7 @@ __all__ = [
     "clipped_value_loss",
     "decoupled_policy_loss",
     "discounted_step_returns",
+    "distillation_advantages",
     "dr_grpo_advantages",
     "entropy_from_logits",
     "gae_advantages",

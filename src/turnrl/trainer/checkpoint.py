@@ -313,6 +313,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def policy_checkpoint(source: Path) -> Path | None:
+    """The checkpoint a directory names: ``source`` itself when it is one (it holds
+    ``model/``, a manifest or a trainer state; checked against its manifest), else the newest whole checkpoint of the run
+    directory ``source`` (``latest_checkpoint``); None when it is neither (a plain model
+    directory, or a run without checkpoints). Its policy is ``checkpoint / "model"``."""
+    source = Path(source)
+    if any((source / name).exists() for name in ("model", MANIFEST, "state.json")):
+        problems = checkpoint_problems(source) if (source / MANIFEST).is_file() else []
+        if problems:
+            raise ConfigError(f"{source} is damaged: {'; '.join(problems)}")
+        return source
+    return latest_checkpoint(source)  # the newest whole one, checked
+
+
 def export_model(source: Path, out: Path, step: int | None = None) -> Path:
     """Write the policy of ``source`` to ``out`` as one plain ``save_pretrained`` model (the
     tokenizer beside it), loadable by ``AutoModelForCausalLM`` and by vLLM with no turnrl.
@@ -323,15 +337,8 @@ def export_model(source: Path, out: Path, step: int | None = None) -> Path:
     from turnrl.models.loading import load_model, load_tokenizer
 
     source = Path(source)
-    checkpoint: Path | None
-    if step is not None or (source / "model").is_dir():
-        named = source / "checkpoints" / f"step_{step:06d}" if step is not None else source
-        problems = checkpoint_problems(named) if (named / MANIFEST).is_file() else []
-        if problems:
-            raise ConfigError(f"{named} is damaged: {'; '.join(problems)}")
-        checkpoint = named
-    else:
-        checkpoint = latest_checkpoint(source)  # the newest whole one, checked
+    named = source / "checkpoints" / f"step_{step:06d}" if step is not None else source
+    checkpoint = policy_checkpoint(named)
     if checkpoint is None or not (checkpoint / "model").is_dir():
         where = checkpoint if checkpoint is not None else source / "checkpoints" / "latest"
         raise ConfigError(

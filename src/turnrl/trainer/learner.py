@@ -70,7 +70,9 @@ class Learner:
     """Owns the optimizer; ``step`` applies one update from one batch.
 
     With ``kl.coef > 0`` the reference policy is ``reference`` (or a frozen copy of the
-    model as it is now); otherwise no reference model exists.
+    model as it is now); otherwise no reference model exists. ``teacher`` (on-policy
+    distillation, ``algorithm.teacher``) is a frozen model it scores samples with, as it
+    scores them with the reference (``teacher_logprobs``).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Learner:
         *,
         temperature: float,
         reference: Any = None,
+        teacher: Any = None,
         max_length: int = 0,
         autocast: torch.dtype | None = None,
     ) -> None:
@@ -100,6 +103,7 @@ class Learner:
         if config.kl.coef > 0 and not self.ref_is_base:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = ref.eval().requires_grad_(False)
+        self.teacher = teacher.eval().requires_grad_(False) if teacher is not None else None
         self.params = trainable_parameters(model)  # all, or (LoRA) only the adapters
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, weight_decay=config.weight_decay
@@ -187,13 +191,34 @@ class Learner:
         stand for the policy's, so only the reference runs."""
         if not self.has_reference:
             raise ConfigError("a KL in the reward needs algorithm.kl.coef > 0")
-        out: list[list[float]] = [[] for _ in samples]
         with self.reference() as reference:
-            for part, mb, ref in self._scored(reference, samples, pad_id):
-                kl = self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask)
-                kl = torch.where(mb.loss_mask, kl, 0.0)
-                for row, i in enumerate(part):
-                    out[i] = kl[row, : len(samples[i].input_ids)].tolist()
+            return self._per_token(
+                reference, samples, pad_id,
+                lambda mb, ref: self.kl_estimator(mb.old_logprobs, ref, mb.loss_mask),
+            )  # fmt: skip
+
+    def teacher_logprobs(self, samples: Sequence[Sample], pad_id: int) -> list[list[float]]:
+        """The teacher's log-prob of each sampled token at the sampling temperature, one list
+        per sample (0 where nothing was sampled): scored as the reference is, without
+        gradients, in the learner's micro-batches."""
+        if self.teacher is None:
+            raise ConfigError("teacher log-probs need a teacher: set algorithm.teacher.path")
+        return self._per_token(self.teacher, samples, pad_id, lambda _mb, logprobs: logprobs)
+
+    def _per_token(
+        self,
+        model: Any,
+        samples: Sequence[Sample],
+        pad_id: int,
+        value: Callable[[Batch, torch.Tensor], torch.Tensor],
+    ) -> list[list[float]]:
+        """``value(batch, model's log-probs)`` on every sampled token of ``samples`` (0 on
+        the others), one list per sample, each as long as the sample."""
+        out: list[list[float]] = [[] for _ in samples]
+        for part, mb, logprobs in self._scored(model, samples, pad_id):
+            values = torch.where(mb.loss_mask, value(mb, logprobs), 0.0)
+            for row, i in enumerate(part):
+                out[i] = values[row, : len(samples[i].input_ids)].tolist()
         return out
 
     def autocasting(self) -> Any:

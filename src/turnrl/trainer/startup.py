@@ -47,6 +47,7 @@ from turnrl.trainer.checkpoint import load_extra, load_trainer_state, save_start
 from turnrl.trainer.config import Config, resolved
 from turnrl.trainer.learner import Learner
 from turnrl.trainer.step import RunParts, run_groups
+from turnrl.trainer.teacher import load_teacher, teacher_model_path
 from turnrl.trainer.warmup import demonstration_trajectories, supervised_warmup, warmup_samples
 from turnrl.trainer.workers import RolloutWorkers
 
@@ -76,6 +77,9 @@ class LearnerSpec:
     optimizer's state is loaded into ``learner.optimizer`` right after)."""
     autocast: torch.dtype | None
     """The dtype the compute is autocast to (bf16-mixed), or None."""
+    teacher: Any = None
+    """On-policy distillation's teacher (``algorithm.teacher.path``), loaded and frozen,
+    or None: the learner scores the samples with it (``teacher_logprobs``)."""
 
 
 MakeLearner = Callable[[LearnerSpec], Any]
@@ -83,7 +87,7 @@ MakeLearner = Callable[[LearnerSpec], Any]
 step, the loop and the checkpoints use: ``model`` (the spec's), ``optimizer``
 (``state_dict`` and ``load_state_dict`` in torch.optim's layout), ``critic`` (or None),
 ``step_samples`` (which leaves the new weights in ``model``), ``sampler_gap``,
-``reference_kl`` and ``refresh_model`` (brings the newest weights into ``model`` where it
+``reference_kl``, ``teacher_logprobs`` (with a teacher) and ``refresh_model`` (brings the newest weights into ``model`` where it
 may lag them, before a checkpoint reads it). ``turnrl.distributed`` gives one backed by a
 ``LearnerGroup``."""
 
@@ -126,7 +130,7 @@ def in_process_learner(spec: LearnerSpec) -> Learner:
         )
     return Learner(
         spec.model, c.algorithm, temperature=c.rollout.temperature, reference=reference,
-        max_length=c.rollout.max_episode_tokens, autocast=spec.autocast,
+        teacher=spec.teacher, max_length=c.rollout.max_episode_tokens, autocast=spec.autocast,
     )  # fmt: skip
 
 
@@ -201,6 +205,7 @@ def _build(
     device = _device(m.device)
     # float32 master weights whatever the precision: bf16-mixed only autocasts the compute
     model = load_model(model_path, dtype=torch.float32, device=device, attention=m.attention)
+    teacher = _teacher(config, tokenizer, model_path, device, progress)  # before the warm-up
     sampling, limits = episode_settings(config, tokenizer)
     renderer = ChatRenderer(tokenizer)
     first: Row = {"step": 0}
@@ -224,7 +229,9 @@ def _build(
     if m.gradient_checkpointing:
         checkpoint_activations(model)
     resumed = checkpoint is not None
-    made = LearnerSpec(model, config, run_dir / "start_model", resumed, autocast_dtype(config))
+    made = LearnerSpec(
+        model, config, run_dir / "start_model", resumed, autocast_dtype(config), teacher
+    )
     learner = (make_learner or in_process_learner)(made)
     backend = (
         _backend(config, model, tokenizer, model_path)
@@ -237,6 +244,26 @@ def _build(
         first,
         model_path,
     )
+
+
+def _teacher(
+    config: Config, tokenizer: Any, model_path: Path, device: torch.device, progress: bool
+) -> Any:
+    """On-policy distillation's teacher (``algorithm.teacher.path``), loaded and checked
+    (teacher.py: ``load_teacher``) before the warm-up, so that a wrong one is said at once;
+    None without one."""
+    path = config.algorithm.teacher.path
+    if not path:
+        return None
+    teacher = load_teacher(
+        path, tokenizer, str(model_path), device=device, attention=config.model.attention
+    )
+    message = f"teacher: {teacher_model_path(path)} ({teacher.num_parameters():,} parameters)"
+    if progress:
+        say(message, progress)
+    else:
+        logger.info(message)
+    return teacher
 
 
 def episode_settings(config: Config, tokenizer: Any) -> tuple[SamplingParams, EpisodeLimits]:

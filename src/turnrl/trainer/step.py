@@ -25,6 +25,7 @@ from typing import Any, TextIO, TypeVar
 import torch
 
 from turnrl.algorithms import (
+    distillation_advantages,
     informative_groups,
     overlong_penalty,
     top_variance_groups,
@@ -192,6 +193,7 @@ def update_phase(
     values = parts.estimator.assign(
         parts.config.algorithm, groups, kl, shuffle_seed(parts.config, step)
     )  # 4.
+    values = distill(parts, groups, values, row)  # 4b. on-policy distillation's teacher term
     samples, sample_values = trainable_samples(parts, groups, values)
     if samples:
         row.update(
@@ -302,17 +304,71 @@ def select(parts: RunParts, groups: Groups, row: Row) -> Groups:
     return kept
 
 
+def distill(
+    parts: RunParts, groups: Groups, values: list[list[SampleValues]], row: Row
+) -> list[list[SampleValues]]:
+    """On-policy distillation (``algorithm.teacher``): the teacher scores every token the
+    student sampled in the samples trained on, and each sampled token's value gains
+    ``-coef * (log pi_student - log pi_teacher)`` (``distillation_advantages``; the
+    student's log-prob is the sampler's, on-policy as for a KL in the reward). With
+    ``alone`` the estimator's values are dropped: the teacher's term is all there is.
+    Values of samples not trained on are left as they are. ``values`` unchanged without
+    a teacher."""
+    teacher = parts.config.algorithm.teacher
+    if not teacher.path:
+        return values
+    t0 = time.perf_counter()
+    kept = []
+    for g, group in enumerate(groups):
+        trained = _trained(parts, group)
+        kept += [(g, i, traj) for i, traj in enumerate(group) if id(traj) in trained]
+    samples = [s for _, _, traj in kept for s in traj.samples()]
+    scored = iter(parts.learner.teacher_logprobs(samples, parts.backend.pad_id) if samples else [])
+    out = [list(member) for member in values]
+    reverse_kl, teacher_logprob, tokens = 0.0, 0.0, 0
+    for g, i, traj in kept:
+        new: SampleValues = []
+        for sample, value in zip(traj.samples(), values[g][i], strict=True):
+            mask = torch.tensor([sample.loss_mask], dtype=torch.bool)
+            student = torch.tensor([sample.logprobs], dtype=torch.float64)
+            scores = torch.tensor([next(scored)], dtype=torch.float64)
+            n = len(sample.input_ids)
+            if teacher.alone:
+                own = [0.0] * n
+            else:
+                own = [float(value)] * n if isinstance(value, int | float) else list(value)
+            base = torch.tensor([own], dtype=torch.float64)
+            adv = distillation_advantages(base, student, scores, mask, coef=teacher.coef)
+            # the values of unsampled tokens are never read: keep the estimator's there
+            new.append(torch.where(mask, adv, base.expand_as(adv))[0].tolist())
+            reverse_kl += float(torch.where(mask, student - scores, 0.0).sum())
+            teacher_logprob += float(torch.where(mask, scores, 0.0).sum())
+            tokens += int(mask.sum())
+        out[g][i] = new
+    row["distill/reverse_kl_mean"] = reverse_kl / max(tokens, 1)
+    row["distill/teacher_logprob_mean"] = teacher_logprob / max(tokens, 1)
+    row["distill/tokens"] = float(tokens)
+    row["perf/teacher_s"] = time.perf_counter() - t0
+    return out
+
+
+def _trained(parts: RunParts, group: Sequence[Trajectory]) -> set[int]:
+    """The ``id``s of ``group``'s members trained on: those without an error, and with
+    DAPO's overlong filter, not truncated ones."""
+    overlong_filter = parts.config.algorithm.overlong.filter
+    return {id(x) for x in trainable(group) if not (overlong_filter and x.truncated)}
+
+
 def trainable_samples(
     parts: RunParts, groups: Groups, values: Sequence[Sequence[SampleValues]]
 ) -> tuple[list[Sample], list[float | list[float]]]:
-    """The token-exact samples trained on, each with its value(s): members without an
-    error, and with DAPO's overlong filter, not truncated ones (``select/truncated_excluded``
-    counts those)."""
+    """The token-exact samples trained on (``_trained``), each with its value(s): members
+    without an error, and with DAPO's overlong filter, not truncated ones
+    (``select/truncated_excluded`` counts those)."""
     samples: list[Sample] = []
     sample_values: list[float | list[float]] = []
-    overlong_filter = parts.config.algorithm.overlong.filter
     for group, group_values in zip(groups, values, strict=True):
-        keep = {id(x) for x in trainable(group) if not (overlong_filter and x.truncated)}
+        keep = _trained(parts, group)
         for traj, value in zip(group, group_values, strict=True):
             if id(traj) in keep:
                 samples.extend(traj.samples())

@@ -94,6 +94,11 @@ HELP: dict[str, dict[str, str]] = {
         "gamma": "Discount of the step-level returns.",
         "omega": "Weight of the step-level term.",
     },
+    "TeacherConfig": {
+        "path": "The teacher: a model directory or hub id, a ``.gguf`` file, a named model, a run's checkpoint directory (``runs/NAME/checkpoints/step_N``, LoRA adapters merged) or a run directory (its latest checkpoint, read when the run starts or resumes); empty: no teacher.",
+        "coef": "Weight of the per-token reverse KL(student || teacher): every sampled token's advantage gains ``-coef * (log pi_student - log pi_teacher)`` (detached), trained through the policy loss like the RL advantage.",
+        "alone": "Pure distillation: the advantage is the teacher's term only, and the rewards are computed and logged but not trained on; false adds the term to the RL advantage (with ``advantage = \"gae\"``, to the token rewards the critic's GAE credits).",
+    },
     "MicroBatchConfig": {
         "size": "Sequences per forward/backward at most; gradients accumulate to the whole batch.",
         "tokens": "Tokens per forward/backward at most, padding included (packed: real tokens); a micro-batch holds at least one sequence.",

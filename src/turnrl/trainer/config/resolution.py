@@ -64,6 +64,7 @@ def _inert_rules(a: AlgorithmConfig) -> list[tuple[str, bool, str]]:
         ("clip.dual", a.policy_loss == "ppo", "policy_loss = 'ppo'"),
         ("partial_rollouts", a.max_staleness > 0, "max_staleness >= 1"),
         ("overlap_batches", a.max_staleness > 1, "max_staleness >= 2"),
+        ("teacher.coef", bool(a.teacher.path), "teacher.path set"),
     ]  # fmt: skip
 
 

@@ -435,6 +435,54 @@ class GiGPOConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """On-policy distillation: a frozen teacher scores the student's sampled tokens
+    (``algorithm.teacher``; docs/algorithms.md, "On-policy distillation")."""
+
+    path: str = ""
+    """The teacher: a model directory or hub id, a ``.gguf`` file, a named model, a run's
+    checkpoint directory (``runs/NAME/checkpoints/step_N``, LoRA adapters merged) or a run
+    directory (its latest checkpoint, read when the run starts or resumes); empty: no
+    teacher. It is loaded once, frozen, in float32 on the learner's device, and must have
+    the student's tokenizer vocabulary exactly (it scores the student's token ids). A
+    server (``http://...``) is refused: its log-probs of given tokens are not read yet."""
+    coef: float = 1.0
+    """Weight of the per-token reverse KL(student || teacher): every sampled token's
+    advantage gains ``-coef * (log pi_student - log pi_teacher)`` (detached), trained
+    through the policy loss like the RL advantage."""
+    alone: bool = False
+    """Pure distillation: the advantage is the teacher's term only, and the rewards are
+    computed and logged but not trained on; false adds the term to the RL advantage (with
+    ``advantage = "gae"``, to the token rewards the critic's GAE credits)."""
+
+    def __post_init__(self) -> None:
+        server = re.match(r"(?i)(https?|grpc)://", self.path) is not None
+        _require(
+            [
+                (
+                    not server,
+                    f"algorithm.teacher.path = {self.path!r}: a teacher behind a server "
+                    "(vLLM, an OpenAI-compatible endpoint) is not supported; distillation "
+                    "needs the teacher's log-prob of every token the student sampled, which "
+                    "turnrl computes with the teacher loaded in this process: give a model "
+                    "directory, a checkpoint directory or a run directory",
+                ),
+                (self.coef >= 0.0, "algorithm.teacher.coef must be >= 0"),
+                (
+                    not self.path or self.coef > 0.0,
+                    "algorithm.teacher.coef must be > 0 with a teacher (0 would load the "
+                    "teacher for nothing; leave algorithm.teacher.path empty instead)",
+                ),
+                (
+                    bool(self.path) or not self.alone,
+                    "algorithm.teacher.alone (pure distillation) needs a teacher: set "
+                    "algorithm.teacher.path",
+                ),
+            ]
+        )
+
+
+@dataclass(frozen=True)
 class MicroBatchConfig:
     """How the learner splits a batch into forward/backward passes; it never changes the
     update, only memory and speed (``algorithm.micro_batch``)."""
@@ -533,6 +581,7 @@ class AlgorithmConfig:
     gae: GAEConfig = field(default_factory=GAEConfig)
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     sapo: SAPOConfig = field(default_factory=SAPOConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
 
     @property
@@ -557,6 +606,12 @@ class AlgorithmConfig:
                 (
                     self.policy_loss == "ppo" or not self.clip.dual,
                     "algorithm.clip.dual applies to the ppo policy loss only",
+                ),
+                (
+                    not (self.teacher.alone and self.kl.coef > 0 and self.kl.placement == "reward"),
+                    "algorithm.teacher.alone trains on the teacher's term only, so a KL in the "
+                    "reward would be dropped: set algorithm.kl.placement = 'loss' or "
+                    "algorithm.kl.coef = 0",
                 ),
             ]
         )
@@ -795,6 +850,12 @@ class Config:
                 (self.steps >= 0, "steps must be >= 0"),
                 (self.save_every >= 1, "save_every must be >= 1"),
                 (self.max_minutes >= 0.0, "max_minutes must be >= 0"),
+                (
+                    not (self.algorithm.teacher.path and self.cluster.learner_ranks),
+                    "algorithm.teacher.path with cluster.learner_ranks >= 1 is not supported "
+                    "yet: the teacher scores with the in-process learner; set "
+                    "cluster.learner_ranks = 0",
+                ),
                 (
                     penalty <= longest,
                     f"algorithm.overlong.penalty_tokens ({penalty}) must be <= "
