@@ -197,13 +197,15 @@ def real_model_speed(data: dict[str, Any], tmp: Path) -> None:
     assert [r["requests"] for r in s["concurrency"]["rows"]] == [4, 8]
     u = data["update"]
     assert set(u["steps"]) == {
-        "turnrl", "bare", "turnrl-reference-forward", "bare-reference-forward"
+        "turnrl", "bare", "bare-sliced", "turnrl-reference-forward", "bare-reference-forward",
+        "bare-sliced-reference-forward",
     }  # fmt: skip
     assert u["batch"]["samples"] == 16
     assert 0 < u["batch"]["trained_tokens"] < u["batch"]["tokens"]
     assert u["ratio_turnrl_over_bare"]["median"] > 0
+    assert u["ratio_turnrl_over_bare_sliced"]["median"] > 0  # the target's
     memories = [*u["memory"].values(), *data["lora"]["memory"].values()]
-    assert len(memories) == 6
+    assert len(memories) == 8
     for m in memories:
         assert "error" not in m, m
         assert m["peak_rss_mb"] >= m["baseline_rss_mb"]
