@@ -49,6 +49,7 @@ def test_public_api_is_pinned() -> None:
         "clipped_value_loss",
         "decoupled_policy_loss",
         "discounted_step_returns",
+        "distillation_advantages",
         "dr_grpo_advantages",
         "entropy_from_logits",
         "gae_advantages",
